@@ -1,0 +1,212 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, verified, retained.
+
+Layout under ``<run>/checkpoints/``::
+
+    step_00000500/            a complete checkpoint
+        .metadata, __0_0.distcp, ...   DCP files (model, optimizer, step, data position)
+        rank_00000.pt, ...             per-rank state (RNG) that is not replicated
+        manifest.json                  step, world size, size and SHA-256 of every file; written last
+    step_00001000.partial/    being written, or left by a crash: never loaded
+
+A checkpoint is written into ``*.partial``; only when every rank has finished does rank 0
+write the manifest and rename the directory, an atomic step on POSIX file systems. Loading
+checks the manifest's sizes and checksums, so a truncated or corrupted checkpoint is skipped
+(with a warning) in favour of the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class TrainState:
+    """What a resumed run needs besides model and optimizer: the optimizer step count and
+    the data loader position (a plain dict of ints)."""
+
+    step: int
+    loader: dict[str, Any]
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or ``None`` if it is.
+
+    Checks that ``manifest.json`` exists and that every file it lists has its recorded size
+    and SHA-256.
+    """
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest (the save did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return "manifest is not valid JSON"
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"file {name} is missing"
+        if f.stat().st_size != meta["bytes"]:
+            return f"file {name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
+        if _sha256(f) != meta["sha256"]:
+            return f"file {name} does not match its SHA-256 checksum"
+    return None
+
+
+def find_latest_checkpoint(directory: Path, warn: bool = True) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or ``None``.
+
+    Incomplete or corrupted ones (see :func:`verify_checkpoint`) are skipped with a warning.
+    """
+    if not directory.is_dir():
+        return None
+    steps = sorted((p for p in directory.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+    for path in steps:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        if warn:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, problem)
+    return None
+
+
+class CheckpointManager:
+    """Saves and loads training state with DCP. All ranks call :meth:`save` and :meth:`load`.
+
+    Args:
+        directory: ``<run>/checkpoints``; shared by all ranks (a shared file system across nodes).
+        keep_last: complete checkpoints kept; older ones are deleted after a successful save.
+    """
+
+    def __init__(self, directory: Path, keep_last: int):
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+        """Write checkpoint ``step_<step>`` atomically; returns its final path."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        final = self.directory / f"step_{step:08d}"
+        tmp = final.with_name(final.name + ".partial")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # The small training state travels as one JSON string: DCP stores a non-tensor leaf
+        # whole, whereas a nested dict would need a template with the same keys to load into.
+        train = json.dumps({"step": state.step, "loader": state.loader})
+        app = {"model": model_sd, "optim": optim_sd, "train": train}
+        dcp.save(app, checkpoint_id=tmp)
+        torch.save(_rng_state(), tmp / f"rank_{rank:05d}.pt")
+        dist.barrier()
+        if rank == 0:
+            self._seal(tmp, final, step, world)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _seal(self, tmp: Path, final: Path, step: int, world_size: int) -> None:
+        files = {
+            f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir()) if f.is_file()
+        }
+        manifest = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
+        with (tmp / MANIFEST).open("w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.directory)
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.directory.iterdir() if _STEP_DIR.match(p.name))
+        for old in complete[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resolve(self, resume: str) -> Path | None:
+        """The checkpoint to resume from: ``"never"`` → None, ``"auto"`` → the newest complete
+        one (rank 0 decides, all ranks agree), else the given directory, which must verify.
+
+        Raises:
+            ValueError: an explicit checkpoint directory that is incomplete or corrupted.
+        """
+        if resume == "never":
+            return None
+        choice: list[Any] = [None]
+        if dist.get_rank() == 0:
+            if resume == "auto":
+                choice[0] = find_latest_checkpoint(self.directory)
+            else:
+                problem = verify_checkpoint(Path(resume))
+                choice[0] = problem or Path(resume)
+        dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], str):
+            raise ValueError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {choice[0]}")
+        return choice[0]
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+        """Load ``path`` into ``model`` and ``optimizer`` in place (resharding as DCP does);
+        restore this rank's RNG if the checkpoint was written at the same world size."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        app = {"model": model_sd, "optim": optim_sd, "train": ""}
+        dcp.load(app, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
+        rng_file = path / f"rank_{dist.get_rank():05d}.pt"
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest["world_size"] == dist.get_world_size() and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        train = json.loads(app["train"])
+        return TrainState(step=int(train["step"]), loader=train["loader"])
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load only the model's weights from a checkpoint, in one process (no process group),
+    e.g. for generation."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])

@@ -1,0 +1,140 @@
+"""Command line: ``loomtrain train`` and ``loomtrain generate``.
+
+    loomtrain train --config configs/shakespeare_char.toml --nproc 2 [--section.key=value ...]
+    torchrun --nproc-per-node 8 -m loomtrain.cli train --config configs/x.toml
+    loomtrain generate --run runs/shakespeare_char --prompt "ROMEO:" --max-new-tokens 300
+
+Every check that can fail on user input runs here, before any process is launched or any
+file written; a failure prints one ``error:`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+from loomtrain.config import Config, ConfigError, load_config
+
+EXIT_USAGE = 2
+
+
+def _inside_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loomtrain train",
+        description="Train a model. Any config field can be overridden as --section.key=value.",
+    )
+    p.add_argument("--config", help="TOML config file (defaults are used without one)")
+    p.add_argument("--nproc", type=int, default=1, help="local processes to launch through torchrun (default 1)")
+    p.add_argument("--resume", help="'auto' (newest complete checkpoint), 'never', or a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
+    return p
+
+
+def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
+    args, rest = _train_parser().parse_known_args(argv)
+    unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if unknown:
+        raise ConfigError(f"unrecognised argument {unknown[0]!r}; config overrides look like --section.key=value")
+    overrides = list(rest)
+    if args.resume is not None:
+        overrides.append(f"--checkpoint.resume={args.resume}")
+    if args.overwrite:
+        overrides.append("--run.overwrite=true")
+    return args, load_config(args.config, overrides)
+
+
+def _check_before_launch(cfg: Config, nproc: int) -> None:
+    """Everything checkable without a process group: world layout, data files, run directory."""
+    from loomtrain.data import check_data_files
+    from loomtrain.trainer import check_run_dir
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc={nproc} must be at least 1")
+    cfg.validate_world(nproc)
+    check_data_files(cfg.data)
+    check_run_dir(cfg)
+
+
+def _launch_torchrun(argv: list[str], nproc: int) -> int:
+    """Re-run this command under torchrun with ``nproc`` local workers; returns its exit code."""
+    passthrough = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            passthrough.append(a)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "loomtrain.cli", "train", *passthrough,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_train(argv: list[str]) -> int:
+    args, cfg = _parse_train_args(argv)
+    if _inside_launcher():
+        return _run_worker(cfg)
+    _check_before_launch(cfg, args.nproc)
+    if args.nproc == 1:
+        return _run_worker(cfg)
+    return _launch_torchrun(argv, args.nproc)
+
+
+def _run_worker(cfg: Config) -> int:
+    import torch.distributed as dist
+
+    from loomtrain.trainer import train
+
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        train(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loomtrain generate", description="Sample text from a run's latest checkpoint.")
+    p.add_argument("--run", required=True, help="run directory, e.g. runs/shakespeare_char")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=300)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from loomtrain.generation import generate_from_run
+
+    print(generate_from_run(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: loomtrain {{{','.join(COMMANDS)}}} ... (try: loomtrain train --help)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

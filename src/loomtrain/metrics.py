@@ -1,0 +1,90 @@
+"""One metrics processor: console progress bar, ``metrics.jsonl``, TensorBoard.
+
+Only rank 0 writes; other ranks construct it with ``enabled=False`` and stay quiet.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process in bytes: CUDA allocator peak on GPU, else the resident
+    set high-water mark (``ru_maxrss``, which Linux reports in KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsProcessor:
+    """Writes one JSON object per logged step to ``<run>/metrics.jsonl`` and the same scalars
+    to TensorBoard (``<run>/tensorboard``); shows a progress bar with loss, tokens/s and ETA.
+
+    Args:
+        run_dir: the run directory (exists).
+        total_steps: optimizer steps of the whole run, for the bar and its ETA.
+        start_step: the step a resumed run starts from.
+        enabled: False on every rank but 0.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        progress_bar: bool = True,
+    ):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0
+            )
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record ``values`` for ``step`` (scalars only)."""
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None and "loss" in values:
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values.get('tokens_per_s', 0):,.0f}")
+
+    def message(self, text: str) -> None:
+        """Print a line on rank 0 without breaking the progress bar."""
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

@@ -1,0 +1,65 @@
+"""Bad input: one clear line naming the field, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "shakespeare_char.toml")
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", CONFIG, f"--run.out_dir={tmp_path}/runs", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def check_rejected(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def empty_file(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    return str(tmp_path / "empty.txt")
+
+
+CASES = {
+    "unknown_key": (["--training.lrr=0.1"], ["training.lrr", "unknown config key"]),
+    "wrong_type": (["--training.steps=many"], ["training.steps", "many"]),
+    "batch_not_divisible": (["--nproc", "5"], ["training.global_batch_size=12", "micro_batch_size=6"]),
+    "context_too_long": (["--training.seq_len=128"], ["training.seq_len=128", "model.max_seq_len=64"]),
+    "missing_file": (["--data.dataset=files", '--data.paths=["nope.txt"]'], ["data.paths", "nope.txt"]),
+    "nproc_zero": (["--nproc", "0"], ["--nproc=0"]),
+    "unknown_val_play": (['--data.val_plays=["hamlett"]'], ["data.val_plays", "hamlett"]),
+    "bad_override_syntax": (["--training.lr"], ["--training.lr"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_rejected_before_anything_is_written(tmp_path, case):
+    args, needles = CASES[case]
+    result = run_cli(tmp_path, *args)
+    check_rejected(result, *needles)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_empty_data_file_is_rejected(tmp_path, empty_file):
+    result = run_cli(tmp_path, "--data.dataset=files", f'--data.paths=["{empty_file}"]')
+    check_rejected(result, "data.paths", "empty")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_existing_checkpoints_are_not_overwritten_without_resume_or_overwrite(tmp_path):
+    ckpt = tmp_path / "runs" / "shakespeare_char" / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text('{"step": 10, "world_size": 1, "files": {}}')
+    result = run_cli(tmp_path)
+    check_rejected(result, "--resume auto", "--overwrite")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json"]
