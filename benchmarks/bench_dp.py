@@ -55,7 +55,9 @@ def step(net, opt, sync, tokens: torch.Tensor) -> None:
 def timed_block(net, opt, sync, steps: int, batch: int, cfg: ModelConfig) -> list[float]:
     times = []
     for i in range(steps):
-        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(i))
+        tokens = torch.randint(
+            0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(i)
+        )
         dist.barrier()
         start = time.perf_counter()
         step(net, opt, sync, tokens)
@@ -68,7 +70,7 @@ def timed_block(net, opt, sync, steps: int, batch: int, cfg: ModelConfig) -> lis
 def worker(args: dict) -> dict:
     cfg = ModelConfig(n_layers=args["layers"], n_heads=4, dim=args["dim"], max_seq_len=64, vocab_size=65)
     impls = {name: build(name, cfg, args["bucket_mb"]) for name in ("ours", "ddp")}
-    for name, (net, opt, sync) in impls.items():
+    for net, opt, sync in impls.values():
         timed_block(net, opt, sync, 3, args["batch"], cfg)  # warm-up
     times: dict[str, list[float]] = {"ours": [], "ddp": []}
     for r in range(args["rounds"]):

@@ -101,7 +101,9 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _files_given(self) -> DataConfig:
         if self.dataset == "files" and not self.paths:
-            raise ValueError("data.paths is empty; list your .txt/.jsonl/.parquet files or set data.dataset='shakespeare'")
+            raise ValueError(
+                "data.paths is empty; list your .txt/.jsonl/.parquet files or set data.dataset='shakespeare'"
+            )
         return self
 
 
@@ -189,7 +191,8 @@ class Config(_Section):
         if self.training.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"training.seq_len={self.training.seq_len} is longer than the model supports "
-                f"(model.max_seq_len={self.model.max_seq_len}); lower training.seq_len or raise model.max_seq_len"
+                f"(model.max_seq_len={self.model.max_seq_len}); "
+                "lower training.seq_len or raise model.max_seq_len"
             )
         return self
 
@@ -207,7 +210,8 @@ class Config(_Section):
         per_step = world_size * t.micro_batch_size
         if t.global_batch_size % per_step:
             raise ConfigError(
-                f"training.global_batch_size={t.global_batch_size} is not divisible by world size {world_size} "
+                f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                f"world size {world_size} "
                 f"× training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
             )
 

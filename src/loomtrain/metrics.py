@@ -55,7 +55,13 @@ class MetricsProcessor:
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         if progress_bar:
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=1.0,
             )
 
     def advance(self, steps: int = 1) -> None:

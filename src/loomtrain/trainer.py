@@ -14,7 +14,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -178,7 +177,12 @@ def evaluate(model, data: Data, cfg: Config, dims: ParallelDims, device) -> floa
     averaged over ranks."""
     model.eval()
     batches = eval_batches(
-        data.val, cfg.training.seq_len, cfg.training.micro_batch_size, cfg.training.eval_batches, dims.dp_rank, dims.dp
+        data.val,
+        cfg.training.seq_len,
+        cfg.training.micro_batch_size,
+        cfg.training.eval_batches,
+        dims.dp_rank,
+        dims.dp,
     )
     local = sum(micro_batch_loss(model, x, y, cfg, device).item() for x, y in batches) / len(batches)
     model.train()
@@ -186,135 +190,177 @@ def evaluate(model, data: Data, cfg: Config, dims: ParallelDims, device) -> floa
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps since the last report (evaluation and checkpoint time
-    excluded, since they are not training)."""
+    """Tokens/s and MFU, over the steps since the last report and over the whole run.
 
-    def __init__(self, tokens_per_step_per_device: int, flops_per_token: float, peak_flops: float):
+    Only time inside :func:`train_step` counts: evaluation and checkpointing are not training.
+    """
+
+    def __init__(self, tokens_per_step_per_device: int, flops_per_token: float, peak_flops: float, world: int):
         self.tokens = tokens_per_step_per_device
         self.flops_per_token = flops_per_token
         self.peak = peak_flops
-        self.steps = self.total_steps = 0
-        self.seconds = self.total_seconds = 0.0
+        self.world = world
+        self.window = [0, 0.0]
+        self.total = [0, 0.0]
 
     def add(self, seconds: float) -> None:
-        self.steps += 1
-        self.seconds += seconds
-        self.total_steps += 1
-        self.total_seconds += seconds
+        for acc in (self.window, self.total):
+            acc[0] += 1
+            acc[1] += seconds
 
-    def report(self, world_size: int) -> dict[str, float]:
+    def _rates(self, steps: int, seconds: float) -> dict[str, float]:
+        per_device = self.tokens * steps / max(seconds, 1e-9)
+        return {
+            "tokens_per_s": per_device * self.world,
+            "mfu": mfu(self.flops_per_token, per_device, self.peak),
+        }
+
+    def report(self) -> dict[str, float]:
         """Global tokens/s and per-device MFU since the last report; resets the window."""
-        per_device = self.tokens * self.steps / max(self.seconds, 1e-9)
-        self.steps, self.seconds = 0, 0.0
-        return {"tokens_per_s": per_device * world_size, "mfu": mfu(self.flops_per_token, per_device, self.peak)}
+        rates = self._rates(*self.window)
+        self.window = [0, 0.0]
+        return rates
 
-    def overall(self, world_size: int) -> dict[str, float]:
-        per_device = self.tokens * self.total_steps / max(self.total_seconds, 1e-9)
-        return {"tokens_per_s": per_device * world_size, "mfu": mfu(self.flops_per_token, per_device, self.peak)}
+    def overall(self) -> dict[str, float]:
+        return self._rates(*self.total)
+
+
+class Trainer:
+    """Builds a run from its config in the current process group, then trains it.
+
+    Set-up order: device and process group → mesh → run directory → data and tokenizer →
+    model → data parallelism → optimizer → loader → resume from a checkpoint.
+    """
+
+    def __init__(self, cfg: Config):
+        self.wall_start = time.perf_counter()
+        self.cfg = cfg
+        self.device = select_device(cfg)
+        init_distributed(cfg, self.device)
+        self.dims = ParallelDims.from_world(dist.get_world_size(), self.device.type)
+        cfg.validate_world(self.dims.dp)
+        self.rank0 = dist.get_rank() == 0
+        check_run_dir(cfg)
+        dist.barrier()
+        if self.rank0:
+            prepare_run_dir(cfg)
+        self.data = build_data(cfg)
+        resolve_vocab(cfg, self.data.tokenizer.vocab_size)
+        self._build_model()
+        self._resume()
+        self._build_metrics()
+
+    def _build_model(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        torch.manual_seed(cfg.run.seed)
+        self.model = Transformer(cfg.model).to(self.device)
+        hook = COMM_HOOKS[cfg.data_parallel.comm_hook]()
+        self.sync = apply_data_parallel(self.model, self.dims.dp_group, cfg.data_parallel.bucket_size_mb, hook)
+        self.optimizer = build_optimizer(self.model, t)
+        self.loader = DistributedBatchLoader(
+            self.data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, self.dims.dp_rank, self.dims.dp,
+            cfg.run.seed,
+        )  # fmt: skip
+
+    def _resume(self) -> None:
+        self.ckpt = CheckpointManager(self.cfg.run_dir / "checkpoints", self.cfg.checkpoint.keep_last)
+        self.step = self.start_step = 0
+        self.resumed_from = self.ckpt.resolve(self.cfg.checkpoint.resume)
+        if self.resumed_from is not None:
+            state = self.ckpt.load(self.resumed_from, self.model, self.optimizer)
+            self.step = self.start_step = state.step
+            self.loader.load_state_dict(state.loader)
+            log.info("resumed from %s at step %d", self.resumed_from, self.step)
+
+    def _build_metrics(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        self.metrics = MetricsProcessor(
+            cfg.run_dir, t.steps, self.step, self.rank0, cfg.metrics.tensorboard, cfg.metrics.progress_bar
+        )
+        peak = peak_flops_per_s(self.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
+        fpt = flops_per_token(cfg.model, t.seq_len)
+        self.speed = Throughput(t.global_batch_size * t.seq_len // self.dims.dp, fpt, peak, self.dims.dp)
+        self.metrics.message(
+            f"loomtrain: {count_params(self.model):,} parameters, world size {self.dims.dp}, "
+            f"{cfg.grad_accum_steps(self.dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
+            f"{fpt / 1e6:.2f} MFLOP/token, device peak {peak / 1e9:.1f} GFLOP/s"
+        )
+
+    def run(self) -> dict:
+        """Train to ``training.steps``; returns the summary written to ``summary.json``."""
+        t = self.cfg.training
+        loss, val_loss = float("nan"), None
+        while self.step < t.steps:
+            set_lr(self.optimizer, lr_at(self.step, t))
+            micro_batches = self.loader.next_step()
+            start = time.perf_counter()
+            loss = train_step(self.model, self.sync, self.optimizer, micro_batches, self.cfg, self.device)
+            self.speed.add(time.perf_counter() - start)
+            self.step += 1
+            self.metrics.advance()
+            eval_now = self.step % t.eval_interval == 0 or self.step == t.steps
+            if eval_now or self.step % t.log_interval == 0 or self.step == 1:
+                loss, val_loss = self._log_step(loss, eval_now, val_loss)
+            ck = self.cfg.checkpoint
+            if ck.enabled and (self.step % ck.interval == 0 or self.step == t.steps):
+                self.ckpt.save(self.step, self.model, self.optimizer, TrainState(self.step, self.loader.state_dict()))
+        if val_loss is None:
+            val_loss = evaluate(self.model, self.data, self.cfg, self.dims, self.device)
+        return self._finish(loss, val_loss)
+
+    def _log_step(self, local_loss: float, eval_now: bool, val_loss: float | None) -> tuple[float, float | None]:
+        loss = mean_over_ranks(local_loss, self.device, self.dims.dp_group)
+        record = {"loss": loss, "lr": lr_at(self.step - 1, self.cfg.training), **self.speed.report()}
+        if eval_now:
+            val_loss = record["val_loss"] = evaluate(self.model, self.data, self.cfg, self.dims, self.device)
+            self.metrics.message(f"step {self.step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
+        self.metrics.log(self.step, record)
+        return loss, val_loss
+
+    def _finish(self, loss: float, val_loss: float) -> dict:
+        peak_mem = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
+        dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+        summary = {
+            "final_step": self.step,
+            "start_step": self.start_step,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "loss": loss,
+            "val_loss": val_loss,
+            **self.speed.overall(),
+            "wall_s": time.perf_counter() - self.wall_start,
+            "world_size": dist.get_world_size(),
+            "peak_memory_bytes": int(peak_mem.item()),
+            "n_params": count_params(self.model),
+            "flops_per_token": self.speed.flops_per_token,
+            "peak_flops_per_s": self.speed.peak,
+            "comm_bytes_per_step": self.sync.hook.bytes_sent / max(1, self.speed.total[0]),
+        }
+        self.metrics.close()
+        self.sync.remove()
+        if self.rank0:
+            (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._print_end(summary)
+        return summary
+
+    def _print_end(self, summary: dict) -> None:
+        s = self.cfg.sample
+        if s.max_new_tokens > 0:
+            text = sample(
+                self.model, self.data.tokenizer, s.prompt, s.max_new_tokens, self.cfg.model.max_seq_len,
+                s.temperature, s.top_k, self.cfg.run.seed,
+            )  # fmt: skip
+            print(f"\n--- sample ({s.max_new_tokens} tokens) ---\n{text}\n---")
+        print(
+            f"done: step {summary['final_step']}, val loss {summary['val_loss']:.4f}, "
+            f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {summary['mfu']:.2%}, wall {summary['wall_s']:.1f} s; "
+            f"run directory {self.cfg.run_dir}"
+        )
 
 
 def train(cfg: Config) -> dict:
-    """Train ``cfg`` in the current process group; returns the summary (``summary.json``).
+    """Train ``cfg`` in the current process group (joined here if needed); returns the summary.
 
     Raises:
         ConfigError: a setting that does not fit the world size or the data.
     """
-    wall_start = time.perf_counter()
-    device = select_device(cfg)
-    init_distributed(cfg, device)
-    dims = ParallelDims.from_world(dist.get_world_size(), device.type)
-    cfg.validate_world(dims.dp)
-    rank0 = dist.get_rank() == 0
-    check_run_dir(cfg)
-    dist.barrier()
-    if rank0:
-        prepare_run_dir(cfg)
-    data = build_data(cfg)
-    resolve_vocab(cfg, data.tokenizer.vocab_size)
-
-    torch.manual_seed(cfg.run.seed)
-    model = Transformer(cfg.model).to(device)
-    sync = apply_data_parallel(
-        model, dims.dp_group, cfg.data_parallel.bucket_size_mb, COMM_HOOKS[cfg.data_parallel.comm_hook]()
-    )
-    optimizer = build_optimizer(model, cfg.training)
-    t = cfg.training
-    loader = DistributedBatchLoader(
-        data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, dims.dp_rank, dims.dp, cfg.run.seed
-    )
-    ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last)
-    step = start_step = 0
-    resume_from = ckpt.resolve(cfg.checkpoint.resume)
-    if resume_from is not None:
-        state = ckpt.load(resume_from, model, optimizer)
-        step = start_step = state.step
-        loader.load_state_dict(state.loader)
-        log.info("resumed from %s at step %d", resume_from, step)
-
-    metrics = MetricsProcessor(
-        cfg.run_dir, t.steps, step, rank0, cfg.metrics.tensorboard, cfg.metrics.progress_bar
-    )
-    peak = peak_flops_per_s(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
-    fpt = flops_per_token(cfg.model, t.seq_len)
-    speed = Throughput(t.global_batch_size * t.seq_len // dims.dp, fpt, peak)
-    if rank0:
-        metrics.message(
-            f"loomtrain: {count_params(model):,} parameters, world size {dims.dp}, "
-            f"{cfg.grad_accum_steps(dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
-            f"{fpt / 1e6:.2f} MFLOP/token, device peak {peak / 1e9:.1f} GFLOP/s"
-        )
-
-    val_loss = None
-    loss = float("nan")
-    while step < t.steps:
-        set_lr(optimizer, lr_at(step, t))
-        micro_batches = loader.next_step()
-        start = time.perf_counter()
-        loss = train_step(model, sync, optimizer, micro_batches, cfg, device)
-        speed.add(time.perf_counter() - start)
-        step += 1
-        metrics.advance()
-        eval_now = step % t.eval_interval == 0 or step == t.steps
-        if eval_now or step % t.log_interval == 0 or step == 1:
-            loss = mean_over_ranks(loss, device, dims.dp_group)
-            record = {"loss": loss, "lr": lr_at(step - 1, t), **speed.report(dims.dp)}
-            if eval_now:
-                val_loss = record["val_loss"] = evaluate(model, data, cfg, dims, device)
-                metrics.message(f"step {step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
-            metrics.log(step, record)
-        if cfg.checkpoint.enabled and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-            ckpt.save(step, model, optimizer, TrainState(step, loader.state_dict()))
-
-    if val_loss is None:
-        val_loss = evaluate(model, data, cfg, dims, device)
-    peak_mem = torch.tensor([peak_memory_bytes(device)], device=device)
-    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
-    summary = {
-        "final_step": step,
-        "start_step": start_step,
-        "resumed_from": str(resume_from) if resume_from else None,
-        "loss": loss,
-        "val_loss": val_loss,
-        **speed.overall(dims.dp),
-        "wall_s": time.perf_counter() - wall_start,
-        "world_size": dims.dp,
-        "peak_memory_bytes": int(peak_mem.item()),
-        "n_params": count_params(model),
-        "flops_per_token": fpt,
-        "peak_flops_per_s": peak,
-        "comm_bytes_per_step": sync.hook.bytes_sent / max(1, speed.total_steps),
-    }
-    metrics.close()
-    if rank0:
-        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if cfg.sample.max_new_tokens > 0:
-            s = cfg.sample
-            text = sample(model, data.tokenizer, s.prompt, s.max_new_tokens, cfg.model.max_seq_len, s.temperature,
-                          s.top_k, cfg.run.seed)  # fmt: skip
-            print(f"\n--- sample ({s.max_new_tokens} tokens) ---\n{text}\n---")
-        print(
-            f"done: step {step}, val loss {val_loss:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-            f"MFU {summary['mfu']:.2%}, wall {summary['wall_s']:.1f} s; run directory {cfg.run_dir}"
-        )
-    sync.remove()
-    return summary
+    return Trainer(cfg).run()

@@ -77,7 +77,9 @@ def reference_one_step(world: int, accum: int):
 
 def assert_close_dicts(got, want, what):
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=1e-7, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], rtol=RTOL, atol=1e-7, msg=lambda m, name=name: f"{what} {name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("world", [2, 4])

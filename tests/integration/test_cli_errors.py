@@ -12,7 +12,16 @@ CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "shakespeare_char
 
 
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", CONFIG, f"--run.out_dir={tmp_path}/runs", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomtrain.cli",
+        "train",
+        "--config",
+        CONFIG,
+        f"--run.out_dir={tmp_path}/runs",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 

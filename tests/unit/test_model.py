@@ -129,9 +129,7 @@ def test_dropout_only_in_training_mode():
 def test_generate_returns_prompt_plus_new_tokens_past_max_seq_len():
     model = build(tiny())
     prompt = torch.randint(0, 32, (1, 5))
-    out = generate(
-        model, prompt, max_new_tokens=20, max_seq_len=16, generator=torch.Generator().manual_seed(0)
-    )
+    out = generate(model, prompt, max_new_tokens=20, max_seq_len=16, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 25)
     assert torch.equal(out[:, :5], prompt)
     assert model.training

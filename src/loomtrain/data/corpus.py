@@ -107,9 +107,7 @@ def _read_jsonl(path: Path, text_field: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"data.paths: file '{path}' line {number} is not valid JSON ({e})"
-                ) from None
+                raise ConfigError(f"data.paths: file '{path}' line {number} is not valid JSON ({e})") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ConfigError(
                     f"data.text_field: file '{path}' line {number} has no string field {text_field!r}; "
@@ -147,9 +145,7 @@ def read_text_file(path: str | Path, text_field: str = "text", field: str = "dat
     elif path.suffix == ".parquet":
         documents = _read_parquet(path, text_field)
     else:
-        raise ConfigError(
-            f"{field}: file '{path}' has suffix {path.suffix!r}; use one of {', '.join(_SUFFIXES)}"
-        )
+        raise ConfigError(f"{field}: file '{path}' has suffix {path.suffix!r}; use one of {', '.join(_SUFFIXES)}")
     return _join(documents)
 
 

@@ -71,7 +71,8 @@ class CommHook(ABC):
     @abstractmethod
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
         """Start the reduction of ``bucket.buffer``; the future's value is the averaged
-        gradient as a tensor shaped like ``bucket.buffer`` (it may be the buffer itself)."""
+        gradient shaped like ``bucket.buffer`` (it may be the buffer itself), as a tensor or a
+        one-element list of it (what a collective's own future holds)."""
 
     def state_dict(self) -> dict:
         return {}
@@ -91,8 +92,9 @@ class AllReduceHook(CommHook):
         n = dist.get_world_size(group)
         bucket.buffer.div_(n)
         self.bytes_sent += int(2 * (n - 1) / n * bucket.nbytes)
-        work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
-        return work.get_future().then(lambda _: bucket.buffer)
+        # The collective's own future (value: [buffer]); chaining a Python callback with
+        # .then() would run it on the communication thread, contending for the GIL with backward.
+        return dist.all_reduce(bucket.buffer, group=group, async_op=True).get_future()
 
 
 COMM_HOOKS: dict[str, type[CommHook]] = {"allreduce": AllReduceHook}
@@ -209,6 +211,8 @@ class GradientSynchronizer:
             self._launch(bucket)
         for bucket, fut in zip(self.buckets, self._futures, strict=True):
             reduced = fut.wait()
+            if isinstance(reduced, list):
+                reduced = reduced[0]
             if reduced is not bucket.buffer:
                 bucket.buffer.copy_(reduced)
             bucket.ready.clear()

@@ -34,9 +34,7 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     out = Path(out_dir) / f"rank_{rank}.pt"
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:

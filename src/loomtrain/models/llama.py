@@ -47,9 +47,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cache(
-    head_dim: int, max_seq_len: int, theta: float, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosines and sines of the rotary angles (RoFormer §3.2), float32.
 
     Frequency ``i`` (of ``head_dim/2``) is ``theta^(-2i/head_dim)``; position ``m`` rotates pair
@@ -101,9 +99,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = (
-            w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
-        )
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q,
@@ -171,9 +167,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
-            raise ValueError(
-                f"model.vocab_size={cfg.vocab_size}; set it from the tokenizer before building the model"
-            )
+            raise ValueError(f"model.vocab_size={cfg.vocab_size}; set it from the tokenizer before building the model")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
@@ -208,9 +202,7 @@ class Transformer(nn.Module):
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
-        cos, sin = rope_cache(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
-        )
+        cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
