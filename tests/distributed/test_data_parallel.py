@@ -57,7 +57,8 @@ def dp_one_step(world: int, bucket_mb: float, accum: int):
     sync.finish_gradient_sync()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt.step()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, len(sync.buckets)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grads, params, len(sync.buckets), sync.hook.bytes_sent
 
 
 def dp_variants(world: int):
@@ -85,11 +86,13 @@ def assert_close_dicts(got, want, what):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dp_step_equals_single_process_on_concatenated_batch(world):
     """Catches: wrong averaging, a bucket reduced twice or not at all, gradients read before
-    their all-reduce finished, accumulation that communicates or loses micro-batches."""
+    their all-reduce finished, accumulation that communicates (bytes sent with 2 micro-batches
+    must equal those with 1) or loses micro-batches."""
     results = spawn(dp_variants, world, world)
     for (bucket_mb, accum), ref in ((k, reference_one_step(world, k[1])) for k in results[0]):
         for rank in range(world):
-            grads, params, n_buckets = results[rank][(bucket_mb, accum)]
+            grads, params, _, bytes_sent = results[rank][(bucket_mb, accum)]
+            assert bytes_sent == results[rank][(bucket_mb, 1)][3], "no_sync micro-batches must not communicate"
             assert_close_dicts(grads, ref[0], f"grad (world {world}, bucket {bucket_mb} MB, accum {accum})")
             assert_close_dicts(params, ref[1], f"param (world {world}, bucket {bucket_mb} MB, accum {accum})")
     assert results[0][(BUCKET_MB[0], 1)][2] > results[0][(BUCKET_MB[-1], 1)][2] == 1
