@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,7 @@ class CheckpointManager:
         """Load ``path`` into ``model`` and ``optimizer`` in place (resharding as DCP does);
         restore this rank's RNG if the checkpoint was written at the same world size."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        _check_same_keys(path, model_sd)
         app = {"model": model_sd, "optim": optim_sd, "train": ""}
         dcp.load(app, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
@@ -204,9 +206,26 @@ class CheckpointManager:
         return TrainState(step=int(train["step"]), loader=train["loader"])
 
 
+def _check_same_keys(path: Path, model_sd: dict) -> None:
+    """DCP loads whatever subset of keys is asked for; a model of another shape would load
+    silently half-filled, so the saved and wanted parameter names must match exactly."""
+    saved = {k.removeprefix("model.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+    saved = {k for k in saved if not k.startswith(("optim.", "train"))}
+    missing, extra = sorted(set(model_sd) - saved), sorted(saved - set(model_sd))
+    if missing or extra:
+        raise ValueError(
+            f"checkpoint {path} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]} "
+            "(was it written with other model settings?)"
+        )
+
+
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     """Load only the model's weights from a checkpoint, in one process (no process group),
     e.g. for generation."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path)
+    _check_same_keys(path, state["model"])
+    with warnings.catch_warnings():
+        # DCP warns that no process group exists; loading in one process is the intent here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])

@@ -50,18 +50,6 @@ def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     return args, load_config(args.config, overrides)
 
 
-def _check_before_launch(cfg: Config, nproc: int) -> None:
-    """Everything checkable without a process group: world layout, data files, run directory."""
-    from loomtrain.data import check_data_files
-    from loomtrain.trainer import check_run_dir
-
-    if nproc < 1:
-        raise ConfigError(f"--nproc={nproc} must be at least 1")
-    cfg.validate_world(nproc)
-    check_data_files(cfg.data)
-    check_run_dir(cfg)
-
-
 def _launch_torchrun(argv: list[str], nproc: int) -> int:
     """Re-run this command under torchrun with ``nproc`` local workers; returns its exit code."""
     passthrough = []
@@ -84,11 +72,28 @@ def _launch_torchrun(argv: list[str], nproc: int) -> int:
 def cmd_train(argv: list[str]) -> int:
     args, cfg = _parse_train_args(argv)
     if _inside_launcher():
+        _die_with_parent()
         return _run_worker(cfg)
-    _check_before_launch(cfg, args.nproc)
+    from loomtrain.preflight import check_launch
+
+    check_launch(cfg, args.nproc)
     if args.nproc == 1:
         return _run_worker(cfg)
     return _launch_torchrun(argv, args.nproc)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to end this worker if its parent (the torchrun agent) dies, even by SIGKILL,
+    so a killed launcher never leaves workers training on their own."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the request took effect
+        sys.exit(1)
 
 
 def _run_worker(cfg: Config) -> int:
@@ -115,6 +120,13 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not args.prompt:
+        raise ConfigError("--prompt is empty; give at least one character, e.g. --prompt 'ROMEO:'")
+    for name, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1)):
+        if value < low:
+            raise ConfigError(f"{name}={value} must be at least {low}")
+    if args.temperature <= 0:
+        raise ConfigError(f"--temperature={args.temperature} must be positive (lower is more deterministic)")
     from loomtrain.generation import generate_from_run
 
     print(generate_from_run(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))

@@ -25,11 +25,13 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     """Where a run writes (``<out_dir>/<name>``) and how it is seeded.
 
-    ``overwrite=True`` deletes an existing run directory of that name before starting;
+    ``name`` is one path component (letters, digits, ``._-``), so ``<out_dir>/<name>`` can
+    never point above ``out_dir``. ``overwrite=True`` deletes an existing run directory of
+    that name (only one that loomtrain wrote: it holds ``config.toml``) before starting;
     without it, a directory that already holds checkpoints is refused unless resuming.
     """
 
-    name: str = "shakespeare_char"
+    name: str = Field("shakespeare_char", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     out_dir: str = "runs"
     seed: int = 1337
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -104,6 +106,10 @@ class DataConfig(_Section):
             raise ValueError(
                 "data.paths is empty; list your .txt/.jsonl/.parquet files or set data.dataset='shakespeare'"
             )
+        if self.dataset == "shakespeare" and (self.paths or self.val_paths):
+            raise ValueError(
+                "data.paths/data.val_paths are set but data.dataset='shakespeare'; set data.dataset='files'"
+            )
         return self
 
 
@@ -127,6 +133,16 @@ class TrainingConfig(_Section):
     eval_batches: int = Field(20, ge=1)
     log_interval: int = Field(10, ge=1)
 
+    @model_validator(mode="after")
+    def _schedule_consistent(self) -> TrainingConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"training.min_lr={self.min_lr} is above training.lr={self.lr}; the decay would raise it")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"training.decay_steps={self.decay_steps} must exceed training.warmup_steps={self.warmup_steps}"
+            )
+        return self
+
 
 class DataParallelConfig(_Section):
     """Our bucketed, overlapped gradient all-reduce."""
@@ -142,14 +158,6 @@ class CheckpointConfig(_Section):
     interval: int = Field(500, ge=1)
     keep_last: int = Field(2, ge=1)
     resume: str = "never"
-
-    @model_validator(mode="after")
-    def _resume_value(self) -> CheckpointConfig:
-        if self.resume not in ("never", "auto") and not Path(self.resume).is_dir():
-            raise ValueError(
-                f"checkpoint.resume={self.resume!r} is neither 'never', 'auto' nor an existing checkpoint directory"
-            )
-        return self
 
 
 class DistributedConfig(_Section):
@@ -220,9 +228,14 @@ class Config(_Section):
         return self.training.global_batch_size // (world_size * self.training.micro_batch_size)
 
     def to_toml(self) -> str:
-        """The resolved config as TOML (what the run used, written into the run directory)."""
+        """The resolved config as TOML (what the run used, written into the run directory).
+
+        Per-launch choices (``run.overwrite``, ``checkpoint.resume``) are left out, so feeding
+        the file back with ``--config`` never deletes or redirects the run.
+        """
         lines: list[str] = []
-        for section, values in self.model_dump(exclude_none=True).items():
+        per_launch = {"run": {"overwrite"}, "checkpoint": {"resume"}}
+        for section, values in self.model_dump(exclude_none=True, exclude=per_launch).items():
             lines.append(f"[{section}]")
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
@@ -293,9 +306,11 @@ def _describe(err: ValidationError) -> str:
     for item in err.errors():
         field = ".".join(str(x) for x in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "string_pattern_mismatch":
+            msg = "must be one path component of letters, digits, '.', '_' or '-' (not empty, no '/')"
+        elif item["type"] == "extra_forbidden":
             msg = "unknown config key; check its spelling against the section's fields in loomtrain/config.py"
         elif item["type"] not in ("value_error", "assertion_error") and "input" in item:
             msg += f" (got {item['input']!r})"
-        parts.append(f"{field}: {msg}" if field else msg)
+        parts.append(msg if not field or msg.startswith(field + ".") else f"{field}: {msg}")
     return "; ".join(parts)

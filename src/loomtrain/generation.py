@@ -58,6 +58,10 @@ def generate_from_run(
     ckpt = find_latest_checkpoint(run / "checkpoints")
     if ckpt is None:
         raise ConfigError(f"--run={str(run)!r} has no complete checkpoint in {run / 'checkpoints'}")
+    try:
+        tokenizer.encode(prompt)
+    except ValueError as e:
+        raise ConfigError(f"--prompt cannot be encoded: {e}") from None
     model = Transformer(cfg.model)
     load_model_weights(ckpt, model)
     return sample(model, tokenizer, prompt, max_new_tokens, cfg.model.max_seq_len, temperature, top_k, seed)

@@ -23,6 +23,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _truncated_jsonl(path: Path, start_step: int):
+    """Open ``path`` for appending after dropping records past ``start_step``: steps after the
+    checkpoint a run resumes from are redone, and each step must appear once."""
+    kept = []
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+    f = path.open("w")
+    f.writelines(line + "\n" for line in kept)
+    f.flush()
+    return f
+
+
 class MetricsProcessor:
     """Writes one JSON object per logged step to ``<run>/metrics.jsonl`` and the same scalars
     to TensorBoard (``<run>/tensorboard``); shows a progress bar with loss, tokens/s and ETA.
@@ -49,11 +61,12 @@ class MetricsProcessor:
         self._bar = None
         if not enabled:
             return
-        self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        self._jsonl = _truncated_jsonl(run_dir / "metrics.jsonl", start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # purge_step hides events after the resumed step, which are about to be redone.
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
         if progress_bar:
             self._bar = tqdm(
                 total=total_steps,

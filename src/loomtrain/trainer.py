@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loomtrain.checkpoint import CheckpointManager, TrainState, find_latest_checkpoint
+from loomtrain.checkpoint import CheckpointManager, TrainState
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import (
     DistributedBatchLoader,
+    Tokenizer,
     build_tokenizer,
     encode_to_tensor,
     eval_batches,
@@ -36,6 +37,7 @@ from loomtrain.hardware import mfu, peak_flops_per_s
 from loomtrain.metrics import MetricsProcessor, peak_memory_bytes
 from loomtrain.models import Transformer, count_params, flops_per_token
 from loomtrain.optim import build_optimizer, lr_at, set_lr
+from loomtrain.preflight import check_launch
 
 log = logging.getLogger(__name__)
 
@@ -75,51 +77,50 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     )
 
 
-def check_run_dir(cfg: Config) -> None:
-    """Refuse to start over a run that has checkpoints, unless resuming or overwriting.
-
-    Raises:
-        ConfigError: ``<run>/checkpoints`` holds a checkpoint, ``checkpoint.resume="never"``
-            and ``run.overwrite`` is false.
-    """
-    if cfg.run.overwrite or cfg.checkpoint.resume != "never":
-        return
-    latest = find_latest_checkpoint(cfg.run_dir / "checkpoints", warn=False)
-    if latest is not None:
-        raise ConfigError(
-            f"run directory {cfg.run_dir} already has checkpoint {latest.name}; pass --resume auto to "
-            "continue it, --overwrite to start over, or --run.name=<new name>"
-        )
-
-
-def prepare_run_dir(cfg: Config) -> None:
-    """Rank 0: apply ``run.overwrite``, create the directory, write the resolved config."""
+def prepare_run_dir(cfg: Config, config_toml: str, tokenizer: Tokenizer, fresh_tokenizer: bool) -> None:
+    """Rank 0, after every check passed: apply ``run.overwrite``, create the directory, write
+    the config as the user gave it and (for a new run) the tokenizer."""
     if cfg.run.overwrite and cfg.run_dir.exists():
         shutil.rmtree(cfg.run_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
+    (cfg.run_dir / "config.toml").write_text(config_toml)
+    if fresh_tokenizer:
+        tokenizer.save(cfg.run_dir / "tokenizer")
 
 
 @dataclass
 class Data:
     """Token streams (1-D int64) and the tokenizer of a run."""
 
-    tokenizer: object
+    tokenizer: Tokenizer
     train: torch.Tensor
     val: torch.Tensor
 
 
-def build_data(cfg: Config) -> Data:
-    """Read the corpus; rank 0 builds (or, on resume, reuses) the tokenizer saved in the run
-    directory, which every rank then loads so all agree on the vocabulary."""
+def build_data(cfg: Config, reuse_tokenizer: bool) -> Data:
+    """Read the corpus and tokenize it. Rank 0 builds the tokenizer (or, when resuming, loads
+    the run's saved one) and broadcasts it, so all ranks agree on the vocabulary.
+
+    Raises:
+        ConfigError: a split too short for one sample of ``training.seq_len`` tokens.
+    """
     train_text, val_text = load_corpus(cfg.data)
-    tok_dir = cfg.run_dir / "tokenizer"
-    if dist.get_rank() == 0 and not tok_dir.is_dir():
-        tok = build_tokenizer(cfg.data.tokenizer, train_text + val_text, cfg.data.bpe_vocab_size)
-        tok.save(tok_dir)
-    dist.barrier()
-    tok = load_tokenizer(tok_dir)
-    return Data(tok, encode_to_tensor(tok, train_text), encode_to_tensor(tok, val_text))
+    box: list[Tokenizer | None] = [None]
+    if dist.get_rank() == 0:
+        if reuse_tokenizer:
+            box[0] = load_tokenizer(cfg.run_dir / "tokenizer")
+        else:
+            box[0] = build_tokenizer(cfg.data.tokenizer, train_text + val_text, cfg.data.bpe_vocab_size)
+    dist.broadcast_object_list(box, src=0)
+    tok = box[0]
+    data = Data(tok, encode_to_tensor(tok, train_text), encode_to_tensor(tok, val_text))
+    for split, tokens in (("training", data.train), ("validation", data.val)):
+        if len(tokens) < cfg.training.seq_len + 1:
+            raise ConfigError(
+                f"the {split} text has {len(tokens)} tokens, fewer than one sample of training.seq_len+1="
+                f"{cfg.training.seq_len + 1}; use more text or lower training.seq_len"
+            )
+    return data
 
 
 def resolve_vocab(cfg: Config, vocab_size: int) -> None:
@@ -235,17 +236,19 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.wall_start = time.perf_counter()
         self.cfg = cfg
+        config_toml = cfg.to_toml()
         self.device = select_device(cfg)
         init_distributed(cfg, self.device)
         self.dims = ParallelDims.from_world(dist.get_world_size(), self.device.type)
-        cfg.validate_world(self.dims.dp)
         self.rank0 = dist.get_rank() == 0
-        check_run_dir(cfg)
-        dist.barrier()
-        if self.rank0:
-            prepare_run_dir(cfg)
-        self.data = build_data(cfg)
+        check_launch(cfg, self.dims.dp)
+        self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        self.resumed_from = self.ckpt.resolve(cfg.checkpoint.resume)
+        self.data = build_data(cfg, reuse_tokenizer=self.resumed_from is not None)
         resolve_vocab(cfg, self.data.tokenizer.vocab_size)
+        if self.rank0:
+            prepare_run_dir(cfg, config_toml, self.data.tokenizer, fresh_tokenizer=self.resumed_from is None)
+        dist.barrier()
         self._build_model()
         self._resume()
         self._build_metrics()
@@ -263,9 +266,7 @@ class Trainer:
         )  # fmt: skip
 
     def _resume(self) -> None:
-        self.ckpt = CheckpointManager(self.cfg.run_dir / "checkpoints", self.cfg.checkpoint.keep_last)
         self.step = self.start_step = 0
-        self.resumed_from = self.ckpt.resolve(self.cfg.checkpoint.resume)
         if self.resumed_from is not None:
             state = self.ckpt.load(self.resumed_from, self.model, self.optimizer)
             self.step = self.start_step = state.step

@@ -48,6 +48,11 @@ CASES = {
     "nproc_zero": (["--nproc", "0"], ["--nproc=0"]),
     "unknown_val_play": (['--data.val_plays=["hamlett"]'], ["data.val_plays", "hamlett"]),
     "bad_override_syntax": (["--training.lr"], ["--training.lr"]),
+    "run_name_escapes_out_dir": (["--run.name=..", "--overwrite"], ["run.name", "one path component"]),
+    "resume_and_overwrite": (["--resume", "auto", "--overwrite"], ["--overwrite and --resume"]),
+    "nccl_without_gpu": (["--distributed.backend=nccl"], ["distributed.backend='nccl'", "gloo"]),
+    "lr_schedule_rises": (["--training.min_lr=0.01"], ["training.min_lr=0.01", "training.lr=0.001"]),
+    "explicit_resume_not_a_checkpoint": (["--resume", "."], ["checkpoint.resume='.'", "no manifest"]),
 }
 
 
@@ -72,3 +77,45 @@ def test_existing_checkpoints_are_not_overwritten_without_resume_or_overwrite(tm
     result = run_cli(tmp_path)
     check_rejected(result, "--resume auto", "--overwrite")
     assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json"]
+
+
+def test_non_utf8_data_file_is_rejected(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("café ".encode("latin-1") * 100)
+    result = run_cli(tmp_path, "--data.dataset=files", f'--data.paths=["{tmp_path}/latin1.txt"]')
+    check_rejected(result, "data.paths", "not UTF-8")
+
+
+def fake_run(tmp_path: Path) -> Path:
+    """A run directory as a finished default run leaves it: config and one complete checkpoint."""
+    from loomtrain.config import load_config
+
+    run = tmp_path / "runs" / "shakespeare_char"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000010" / "manifest.json").write_text('{"step": 10, "world_size": 2, "files": {}}')
+    (run / "config.toml").write_text(load_config(CONFIG).to_toml())
+    return run
+
+
+def test_resume_with_another_model_shape_is_refused(tmp_path):
+    """Catches: DCP silently loading a subset of keys into a differently shaped model."""
+    run = fake_run(tmp_path)
+    before = (run / "config.toml").read_text()
+    check_rejected(run_cli(tmp_path, "--resume", "auto", "--model.n_layers=2"), "model.n_layers=2", "4")
+    assert (run / "config.toml").read_text() == before
+
+
+def test_overwrite_refuses_a_directory_loomtrain_did_not_write(tmp_path):
+    """Catches: --overwrite deleting a user's unrelated directory."""
+    precious = tmp_path / "runs" / "shakespeare_char" / "thesis.tex"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("years of work")
+    check_rejected(run_cli(tmp_path, "--overwrite"), "not a loomtrain run", "not deleting")
+    assert precious.read_text() == "years of work"
+
+
+def test_saved_config_holds_no_per_launch_choices(tmp_path):
+    """Catches: a config.toml fed back with --config deleting or redirecting the run."""
+    from loomtrain.config import load_config
+
+    text = load_config(CONFIG, ["--run.overwrite=true", "--checkpoint.resume=auto"]).to_toml()
+    assert "overwrite" not in text and "resume" not in text

@@ -14,6 +14,7 @@ import re
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loomtrain.config import ConfigError, DataConfig
@@ -94,7 +95,7 @@ def _shakespeare_split(val_plays: list[str]) -> tuple[str, str]:
     return _join(train), _join(val)
 
 
-def _read_txt(path: Path) -> list[str]:
+def _read_txt(path: Path, _text_field: str) -> list[str]:
     return [path.read_text(encoding="utf-8")]
 
 
@@ -138,14 +139,17 @@ def read_text_file(path: str | Path, text_field: str = "text", field: str = "dat
             without that column, or invalid JSON.
     """
     path = Path(path)
-    if path.suffix == ".txt":
-        documents = _read_txt(path)
-    elif path.suffix == ".jsonl":
-        documents = _read_jsonl(path, text_field)
-    elif path.suffix == ".parquet":
-        documents = _read_parquet(path, text_field)
-    else:
+    readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
+    if path.suffix not in readers:
         raise ConfigError(f"{field}: file '{path}' has suffix {path.suffix!r}; use one of {', '.join(_SUFFIXES)}")
+    try:
+        documents = readers[path.suffix](path, text_field)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{field}: file '{path}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except pa.ArrowException as e:
+        raise ConfigError(f"{field}: file '{path}' is not a readable Parquet file ({e})") from None
+    if not all(isinstance(d, str) for d in documents):
+        raise ConfigError(f"data.text_field: {text_field!r} in '{path}' does not hold strings; name a text column")
     return _join(documents)
 
 

@@ -1,0 +1,87 @@
+"""Checks that run before any process group is built or any file is written.
+
+The launcher (``loomtrain train``) calls :func:`check_launch` before starting workers; every
+worker calls it again, which covers a plain ``torchrun`` launch. All checks only read.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import torch
+
+from loomtrain.checkpoint import find_latest_checkpoint, verify_checkpoint
+from loomtrain.config import Config, ConfigError
+from loomtrain.data import check_data_files
+
+# Settings a resumed run must share with the run it continues: the checkpoint's tensors and
+# the saved tokenizer only fit these.
+_RESUME_FIXED = {"model": None, "data": None, "training": ("seq_len",)}
+
+
+def check_launch(cfg: Config, world_size: int) -> None:
+    """Everything checkable without a process group, for ``world_size`` processes.
+
+    Raises:
+        ConfigError: bad world layout, data files, backend, or run-directory state.
+    """
+    if world_size < 1:
+        raise ConfigError(f"--nproc={world_size} must be at least 1")
+    cfg.validate_world(world_size)
+    if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("distributed.backend='nccl' needs CUDA GPUs; none is visible here, use 'gloo' or 'auto'")
+    check_data_files(cfg.data)
+    check_run_dir(cfg)
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuse what would lose or corrupt an existing run.
+
+    Raises:
+        ConfigError: checkpoints present without ``--resume``/``--overwrite``; both given;
+            ``--overwrite`` on a directory loomtrain did not write; an explicit checkpoint
+            that is incomplete; a resume whose model, data or sequence length differ from
+            the run's saved config.
+    """
+    run_dir, resume = cfg.run_dir, cfg.checkpoint.resume
+    if cfg.run.overwrite and resume != "never":
+        raise ConfigError("--overwrite and --resume contradict each other; pass one of them")
+    if cfg.run.overwrite:
+        if run_dir.exists() and not (run_dir / "config.toml").is_file():
+            raise ConfigError(
+                f"run.overwrite: {run_dir} exists but is not a loomtrain run (no config.toml); not deleting it"
+            )
+        return
+    if resume == "never":
+        latest = find_latest_checkpoint(run_dir / "checkpoints", warn=False)
+        if latest is not None:
+            raise ConfigError(
+                f"run directory {run_dir} already has checkpoint {latest.name}; pass --resume auto to "
+                "continue it, --overwrite to start over, or --run.name=<new name>"
+            )
+        return
+    if resume == "auto":
+        if find_latest_checkpoint(run_dir / "checkpoints", warn=False) is None:
+            return
+    else:
+        problem = verify_checkpoint(Path(resume))
+        if problem:
+            raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {problem}")
+    _check_same_run(cfg)
+
+
+def _check_same_run(cfg: Config) -> None:
+    saved_file = cfg.run_dir / "config.toml"
+    if not saved_file.is_file():
+        return
+    saved = tomllib.loads(saved_file.read_text())
+    current = cfg.model_dump()
+    for section, keys in _RESUME_FIXED.items():
+        for key in keys or current[section]:
+            old, new = saved.get(section, {}).get(key), current[section][key]
+            if old != new and not (old is None and new in (None, [])):
+                raise ConfigError(
+                    f"{section}.{key}={new!r} differs from the run being resumed ({old!r} in {saved_file}); "
+                    f"drop the override or start a new run with --run.name"
+                )
