@@ -47,10 +47,17 @@ class GradBucket:
     names: list[str]
     offsets: list[int]
     ready: set[int] = field(default_factory=set)
+    views: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Built once: the hooks run on every backward and must stay cheap.
+        self.views = [
+            self.buffer[off : off + p.numel()].view_as(p) for off, p in zip(self.offsets, self.params, strict=True)
+        ]
 
     def grad_view(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+        """Parameter ``i``'s gradient inside ``buffer``, shaped like the parameter."""
+        return self.views[i]
 
     @property
     def nbytes(self) -> int:
