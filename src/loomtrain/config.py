@@ -151,6 +151,21 @@ class DataParallelConfig(_Section):
     comm_hook: Literal["allreduce"] = "allreduce"
 
 
+class ParallelConfig(_Section):
+    """Parallel degrees; their product is the world size. ``data_parallel_degree=-1`` means
+    whatever the others leave: world size / (tensor × sequence)."""
+
+    data_parallel_degree: int = Field(-1, ge=-1)
+    tensor_parallel_degree: int = Field(1, ge=1)
+    sequence_parallel_degree: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _dp_not_zero(self) -> ParallelConfig:
+        if self.data_parallel_degree == 0:
+            raise ValueError("parallel.data_parallel_degree=0; use a positive degree or -1 for the rest")
+        return self
+
+
 class CheckpointConfig(_Section):
     """DCP checkpoints under ``<run>/checkpoints``: periodic, atomic, last ``keep_last`` kept."""
 
@@ -188,6 +203,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -208,24 +224,23 @@ class Config(_Section):
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
 
-    def validate_world(self, world_size: int) -> None:
-        """Check the batch layout for ``world_size`` data-parallel ranks.
+    def validate_batch(self, dp: int) -> None:
+        """Check the batch layout for ``dp`` data-parallel ranks.
 
         Raises:
-            ConfigError: global batch not divisible by world size × micro-batch.
+            ConfigError: global batch not divisible by dp × micro-batch.
         """
         t = self.training
-        per_step = world_size * t.micro_batch_size
+        per_step = dp * t.micro_batch_size
         if t.global_batch_size % per_step:
             raise ConfigError(
-                f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                f"world size {world_size} "
-                f"× training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
+                f"training.global_batch_size={t.global_batch_size} is not divisible by the data-parallel degree "
+                f"{dp} × training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
             )
 
-    def grad_accum_steps(self, world_size: int) -> int:
-        """Micro-batches per rank per optimizer step."""
-        return self.training.global_batch_size // (world_size * self.training.micro_batch_size)
+    def grad_accum_steps(self, dp: int) -> int:
+        """Micro-batches per rank per optimizer step, for ``dp`` data-parallel ranks."""
+        return self.training.global_batch_size // (dp * self.training.micro_batch_size)
 
     def to_toml(self) -> str:
         """The resolved config as TOML (what the run used, written into the run directory).

@@ -14,6 +14,7 @@ import torch
 from loomtrain.checkpoint import find_latest_checkpoint, verify_checkpoint
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import check_data_files
+from loomtrain.distributed.parallel_dims import ParallelDims
 
 # Settings a resumed run must share with the run it continues: the checkpoint's tensors and
 # the saved tokenizer only fit these.
@@ -28,7 +29,7 @@ def check_launch(cfg: Config, world_size: int) -> None:
     """
     if world_size < 1:
         raise ConfigError(f"--nproc={world_size} must be at least 1")
-    cfg.validate_world(world_size)
+    cfg.validate_batch(ParallelDims.from_config(cfg.parallel, world_size).dp)
     if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("distributed.backend='nccl' needs CUDA GPUs; none is visible here, use 'gloo' or 'auto'")
     check_data_files(cfg.data)

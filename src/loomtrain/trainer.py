@@ -239,9 +239,9 @@ class Trainer:
         config_toml = cfg.to_toml()
         self.device = select_device(cfg)
         init_distributed(cfg, self.device)
-        self.dims = ParallelDims.from_world(dist.get_world_size(), self.device.type)
+        self.dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), self.device.type)
         self.rank0 = dist.get_rank() == 0
-        check_launch(cfg, self.dims.dp)
+        check_launch(cfg, self.dims.world_size)
         self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last)
         self.resumed_from = self.ckpt.resolve(cfg.checkpoint.resume)
         self.data = build_data(cfg, reuse_tokenizer=self.resumed_from is not None)
@@ -280,9 +280,12 @@ class Trainer:
         )
         peak = peak_flops_per_s(self.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
         fpt = flops_per_token(cfg.model, t.seq_len)
-        self.speed = Throughput(t.global_batch_size * t.seq_len // self.dims.dp, fpt, peak, self.dims.dp)
+        world = self.dims.world_size
+        # Every device shares the step's FLOPs equally, whatever the mix of dp, sp and tp.
+        self.speed = Throughput(t.global_batch_size * t.seq_len // world, fpt, peak, world)
         self.metrics.message(
-            f"loomtrain: {count_params(self.model):,} parameters, world size {self.dims.dp}, "
+            f"loomtrain: {count_params(self.model):,} parameters, world size {world} "
+            f"(dp {self.dims.dp}, sp {self.dims.sp}, tp {self.dims.tp}), "
             f"{cfg.grad_accum_steps(self.dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
             f"{fpt / 1e6:.2f} MFLOP/token, device peak {peak / 1e9:.1f} GFLOP/s"
         )

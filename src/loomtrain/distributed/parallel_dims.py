@@ -1,12 +1,17 @@
 """The one owner of the process layout: degrees, the DeviceMesh and its process groups.
 
 Every other module asks this object for ranks and groups instead of doing rank arithmetic.
-Axes, outermost first (the order a later mesh keeps, so that the innermost axes, which
-communicate most, stay on the fastest links):
+Mesh axes, outermost first; the innermost axes talk most, so they get adjacent ranks (on
+one node, the fastest links):
 
-- ``dp``: data parallel (replicas of the model that all-reduce gradients).
+- ``dp``: data parallel. Replicas (ZeRO stage 0) or shards (stages 1–3) of the model state;
+  gradients are reduced over it. Each dp rank reads different micro-batches.
+- ``sp``: Ulysses sequence parallel (Jacobs et al. 2023): each rank holds a slice of the
+  sequence; attention switches to a head split by all-to-all.
+- ``tp``: tensor parallel (Shoeybi et al. 2019, Megatron-LM): weight matrices split across
+  ranks; Megatron sequence parallelism (Korthikanti et al. 2022) runs on this axis too.
 
-Tensor, sequence and pipeline axes join this list as they are implemented.
+Pipeline parallelism will add a ``pp`` axis outermost.
 """
 
 from __future__ import annotations
@@ -17,41 +22,72 @@ from functools import cached_property
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from loomtrain.config import ConfigError
+from loomtrain.config import ConfigError, ParallelConfig
+
+AXES = ("dp", "sp", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees for ``world_size`` processes.
+    """Parallel degrees for ``world_size`` processes; ``dp × sp × tp == world_size``.
 
     Raises:
-        ConfigError: the degrees do not multiply to ``world_size``.
+        ConfigError: a degree below 1, or degrees that do not multiply to ``world_size``.
     """
 
     dp: int
     world_size: int
+    tp: int = 1
+    sp: int = 1
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.dp != self.world_size:
+        for name, value in (("data_parallel_degree", self.dp), ("tensor_parallel_degree", self.tp),
+                            ("sequence_parallel_degree", self.sp)):  # fmt: skip
+            if value < 1:
+                raise ConfigError(f"parallel.{name}={value} must be at least 1")
+        if self.dp * self.sp * self.tp != self.world_size:
             raise ConfigError(
-                f"data parallel degree dp={self.dp} must equal the world size {self.world_size} "
-                "(only data parallelism is available so far)"
+                f"parallel degrees dp={self.dp} × sp={self.sp} × tp={self.tp} = {self.dp * self.sp * self.tp} "
+                f"do not multiply to the world size {self.world_size}; change parallel.* or the process count"
             )
 
     @classmethod
-    def from_world(cls, world_size: int, device_type: str = "cpu") -> ParallelDims:
-        return cls(dp=world_size, world_size=world_size, device_type=device_type)
+    def from_config(cls, cfg: ParallelConfig, world_size: int, device_type: str = "cpu") -> ParallelDims:
+        """Degrees from ``[parallel]``; ``data_parallel_degree=-1`` takes what tp and sp leave.
+
+        Raises:
+            ConfigError: the world size is not divisible by ``tp × sp``, or degrees mismatch.
+        """
+        tp, sp = cfg.tensor_parallel_degree, cfg.sequence_parallel_degree
+        dp = cfg.data_parallel_degree
+        if dp == -1:
+            if world_size % (tp * sp):
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by parallel.tensor_parallel_degree={tp} × "
+                    f"parallel.sequence_parallel_degree={sp}; change the degrees or the process count"
+                )
+            dp = world_size // (tp * sp)
+        return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, device_type=device_type)
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The DeviceMesh with named axes; built on first use (needs an initialised process group)."""
-        return init_device_mesh(self.device_type, (self.dp,), mesh_dim_names=("dp",))
+        """The DeviceMesh with named axes ``("dp", "sp", "tp")``; built on first use (needs an
+        initialised process group). Axes of size 1 are kept, so code never branches on them."""
+        return init_device_mesh(self.device_type, (self.dp, self.sp, self.tp), mesh_dim_names=AXES)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis`` (one of ``AXES``)."""
+        return self.mesh.get_group(axis)
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.mesh.get_local_rank(axis)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
+        return self.group("dp")
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
+        return self.rank("dp")
