@@ -27,6 +27,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_dp.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_zero.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -24,7 +24,7 @@ import re
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +41,13 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class TrainState:
-    """What a resumed run needs besides model and optimizer: the optimizer step count and
-    the data loader position (a plain dict of ints)."""
+    """What a resumed run needs besides model and optimizer: the optimizer step count, the
+    data loader position (a plain dict of ints) and other small JSON-able state the same on
+    every rank (``extra``, e.g. the fp16 loss scaler)."""
 
     step: int
     loader: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _sha256(path: Path) -> str:
@@ -72,6 +74,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint: ``step``, ``world_size``, ``layout``, ``time``, ``files``."""
+    return json.loads((path / MANIFEST).read_text())
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -121,15 +128,30 @@ class CheckpointManager:
     Args:
         directory: ``<run>/checkpoints``; shared by all ranks (a shared file system across nodes).
         keep_last: complete checkpoints kept; older ones are deleted after a successful save.
+        async_save: write in the background (see :meth:`save`).
+        layout: the parallel layout (degrees, ZeRO stage), recorded in each manifest.
     """
 
-    def __init__(self, directory: Path, keep_last: int):
+    def __init__(self, directory: Path, keep_last: int, async_save: bool = False, layout: dict | None = None):
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.layout = layout or {}
+        self._pending: tuple | None = None
+        self.last_saved_step: int | None = None
+        # An asynchronous save finishes its collectives on a background thread; a group of its
+        # own keeps them from interleaving with training's collectives on the default group.
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
-        """Write checkpoint ``step_<step>`` atomically; returns its final path."""
-        rank, world = dist.get_rank(), dist.get_world_size()
+        """Write checkpoint ``step_<step>`` atomically; returns its final path.
+
+        With ``async_save`` the tensors are staged to host memory and written in the
+        background (``dcp.async_save``); the checkpoint becomes complete (manifest, rename) at
+        the next :meth:`save` or :meth:`finalize`, never before every rank has written.
+        """
+        self.finalize()
+        self.last_saved_step = step
+        rank = dist.get_rank()
         final = self.directory / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".partial")
         if rank == 0:
@@ -139,22 +161,38 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         # The small training state travels as one JSON string: DCP stores a non-tensor leaf
         # whole, whereas a nested dict would need a template with the same keys to load into.
-        train = json.dumps({"step": state.step, "loader": state.loader})
+        train = json.dumps({"step": state.step, "loader": state.loader, "extra": state.extra})
         app = {"model": model_sd, "optim": optim_sd, "train": train}
-        dcp.save(app, checkpoint_id=tmp)
         torch.save(_rng_state(), tmp / f"rank_{rank:05d}.pt")
+        if self._async_group is None:
+            dcp.save(app, checkpoint_id=tmp)
+            self._pending = (None, tmp, final, step)
+            self.finalize()
+        else:
+            future = dcp.async_save(app, checkpoint_id=tmp, process_group=self._async_group)
+            self._pending = (future, tmp, final, step)
+        return final
+
+    def finalize(self) -> None:
+        """Complete the save in flight, if any: wait for this rank's writes, then (once every
+        rank is done) rank 0 writes the manifest, renames the directory and prunes old ones."""
+        if self._pending is None:
+            return
+        future, tmp, final, step = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()
         dist.barrier()
-        if rank == 0:
-            self._seal(tmp, final, step, world)
+        if dist.get_rank() == 0:
+            self._seal(tmp, final, step, dist.get_world_size())
             self._prune()
         dist.barrier()
-        return final
 
     def _seal(self, tmp: Path, final: Path, step: int, world_size: int) -> None:
         files = {
             f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir()) if f.is_file()
         }
-        manifest = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
+        manifest = {"step": step, "world_size": world_size, "layout": self.layout, "time": time.time(), "files": files}
         with (tmp / MANIFEST).open("w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -199,11 +237,11 @@ class CheckpointManager:
         dcp.load(app, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
         rng_file = path / f"rank_{dist.get_rank():05d}.pt"
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_manifest(path)
         if manifest["world_size"] == dist.get_world_size() and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=True))
         train = json.loads(app["train"])
-        return TrainState(step=int(train["step"]), loader=train["loader"])
+        return TrainState(step=int(train["step"]), loader=train["loader"], extra=train.get("extra", {}))
 
 
 def _check_same_keys(path: Path, model_sd: dict) -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
+import shutil
 import sys
 
 from loomtrain.config import Config, ConfigError, load_config
+from loomtrain.launch import ElasticSpec, launch
+from loomtrain.preflight import check_launch, check_world
 
 EXIT_USAGE = 2
 
@@ -34,10 +36,14 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="local processes to launch through torchrun (default 1)")
     p.add_argument("--resume", help="'auto' (newest complete checkpoint), 'never', or a checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
+    p.add_argument("--elastic", action="store_true", help="restart failed workers and resume from checkpoints")
+    p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: restarts allowed (default 3)")
+    p.add_argument("--min-nproc", type=int, help="with --elastic: smallest world size to go on with")
+    p.add_argument("--max-nproc", type=int, help="with --elastic: largest world size to grow to")
     return p
 
 
-def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
+def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], Config]:
     args, rest = _train_parser().parse_known_args(argv)
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if unknown:
@@ -47,39 +53,51 @@ def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         overrides.append(f"--checkpoint.resume={args.resume}")
     if args.overwrite:
         overrides.append("--run.overwrite=true")
-    return args, load_config(args.config, overrides)
+    return args, overrides, load_config(args.config, overrides)
 
 
-def _launch_torchrun(argv: list[str], nproc: int) -> int:
-    """Re-run this command under torchrun with ``nproc`` local workers; returns its exit code."""
-    passthrough = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            passthrough.append(a)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "loomtrain.cli", "train", *passthrough,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+def _elastic_spec(args: argparse.Namespace, cfg: Config) -> ElasticSpec | None:
+    """The elastic bounds, checked: every world size in them must fit the batch and degrees.
+
+    Raises:
+        ConfigError: bounds out of order, elastic flags without --elastic, or a world size in
+            the range that the config cannot run on.
+    """
+    if not args.elastic:
+        if args.min_nproc is not None or args.max_nproc is not None:
+            raise ConfigError("--min-nproc/--max-nproc need --elastic")
+        return None
+    lo = args.nproc if args.min_nproc is None else args.min_nproc
+    hi = args.nproc if args.max_nproc is None else args.max_nproc
+    if not 1 <= lo <= args.nproc <= hi:
+        raise ConfigError(f"need 1 <= --min-nproc={lo} <= --nproc={args.nproc} <= --max-nproc={hi}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts} must be at least 0")
+    if cfg.checkpoint.resume not in ("never", "auto"):
+        raise ConfigError("--elastic resumes from the newest checkpoint by itself; drop --resume <dir>")
+    for world in range(lo, hi + 1):
+        check_world(cfg, world)
+    return ElasticSpec(lo, hi, args.max_restarts)
 
 
 def cmd_train(argv: list[str]) -> int:
-    args, cfg = _parse_train_args(argv)
+    args, overrides, cfg = _parse_train_args(argv)
     if _inside_launcher():
         _die_with_parent()
         return _run_worker(cfg)
-    from loomtrain.preflight import check_launch
-
     check_launch(cfg, args.nproc)
-    if args.nproc == 1:
+    elastic = _elastic_spec(args, cfg)
+    if args.nproc == 1 and elastic is None:
         return _run_worker(cfg)
-    return _launch_torchrun(argv, args.nproc)
+    config_args = [] if args.config is None else ["--config", args.config]
+    if elastic is not None:
+        # Every attempt, the first included, resumes from whatever checkpoint exists; the
+        # launcher applies --overwrite once, so a restart never deletes the run.
+        if cfg.run.overwrite and cfg.run_dir.exists():
+            shutil.rmtree(cfg.run_dir)
+        overrides = [o for o in overrides if not o.startswith(("--checkpoint.resume=", "--run.overwrite="))]
+        overrides.append("--checkpoint.resume=auto")
+    return launch(args.nproc, config_args + overrides, elastic, cfg.run_dir, f"loomtrain-{cfg.run.name}")
 
 
 def _die_with_parent() -> None:

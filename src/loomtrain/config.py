@@ -145,10 +145,33 @@ class TrainingConfig(_Section):
 
 
 class DataParallelConfig(_Section):
-    """Our bucketed, overlapped gradient all-reduce."""
+    """Our bucketed, overlapped gradient all-reduce, or ZeRO sharding (``docs/zero.md``).
+
+    ``zero_stage``: 0 plain data parallel; 1 optimizer state sharded; 2 optimizer state and
+    gradients; 3 parameters too (Rajbhandari et al., SC 2020). With ZeRO (stage ≥ 1) master
+    weights and optimizer state are fp32; ``param_dtype`` is the dtype forward and backward
+    compute in, ``reduce_dtype`` the one gradients are reduced in. ``param_dtype="fp16"`` turns
+    on dynamic loss scaling (initial scale ``loss_scale_init``, doubled after
+    ``loss_scale_growth_interval`` good steps, halved and the step skipped on inf/nan).
+    ``training.dtype="bf16"`` (autocast) is independent of these and works with every stage.
+    """
 
     bucket_size_mb: float = Field(25.0, gt=0)
     comm_hook: Literal["allreduce"] = "allreduce"
+    zero_stage: int = Field(0, ge=0, le=3)
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale_init: float = Field(2.0**16, gt=0)
+    loss_scale_growth_interval: int = Field(2000, ge=1)
+
+    @model_validator(mode="after")
+    def _precision_needs_zero(self) -> DataParallelConfig:
+        if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.reduce_dtype != "fp32"):
+            raise ValueError(
+                f"data_parallel.param_dtype={self.param_dtype!r}/reduce_dtype={self.reduce_dtype!r} need "
+                "data_parallel.zero_stage >= 1; with stage 0 use training.dtype='bf16' (autocast)"
+            )
+        return self
 
 
 class ParallelConfig(_Section):
@@ -167,12 +190,16 @@ class ParallelConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """DCP checkpoints under ``<run>/checkpoints``: periodic, atomic, last ``keep_last`` kept."""
+    """DCP checkpoints under ``<run>/checkpoints``: periodic, atomic, last ``keep_last`` kept.
+
+    ``async_save`` writes in the background while training goes on (``dcp.async_save``).
+    """
 
     enabled: bool = True
     interval: int = Field(500, ge=1)
     keep_last: int = Field(2, ge=1)
     resume: str = "never"
+    async_save: bool = False
 
 
 class DistributedConfig(_Section):
@@ -183,8 +210,11 @@ class DistributedConfig(_Section):
 
 
 class MetricsConfig(_Section):
+    """``record_samples`` writes each rank's sample ids per step to ``<run>/samples/``."""
+
     tensorboard: bool = True
     progress_bar: bool = True
+    record_samples: bool = False
 
 
 class SampleConfig(_Section):

@@ -1,6 +1,7 @@
-"""One metrics processor: console progress bar, ``metrics.jsonl``, TensorBoard.
+"""Metrics and run records: console progress bar, ``metrics.jsonl``, TensorBoard, the event
+log and the per-rank sample audit.
 
-Only rank 0 writes; other ranks construct it with ``enabled=False`` and stay quiet.
+Only rank 0 writes metrics and events; other ranks construct them with ``enabled=False``.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The last step recorded in ``<run>/metrics.jsonl`` (0 if none): how far a failed attempt
+    got, or how far a running one has got (safe to call while the file is being written)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    complete = path.read_text().split("\n")[:-1]  # a line still being written is not counted
+    return max((json.loads(line)["step"] for line in complete if line), default=0)
 
 
 def _truncated_jsonl(path: Path, start_step: int):
@@ -107,3 +119,49 @@ class MetricsProcessor:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+class EventLog:
+    """Run events (start, restart, checkpoint loaded or saved, world-size change, steps redone,
+    preemption) appended to ``<run>/events.jsonl`` and printed on rank 0. Never truncated: it
+    is the run's history across attempts."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.path = run_dir / "events.jsonl"
+        self.enabled = enabled
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), "event": kind, **fields}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        details = ", ".join(f"{k}={v}" for k, v in fields.items())
+        print(f"[loomtrain] {kind}: {details}", file=sys.stderr, flush=True)
+
+    def read(self) -> list[dict[str, Any]]:
+        """All events so far (any rank may read)."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+
+
+class SampleRecorder:
+    """Per rank, the window ids of every micro-batch it trained on, one JSON line per step in
+    ``<run>/samples/rank_XXXXX.jsonl``: an audit that no sample is skipped or seen twice across
+    restarts. Records past the resumed step are dropped, as they are redone."""
+
+    def __init__(self, run_dir: Path, rank: int, start_step: int, enabled: bool):
+        self._file = None
+        if enabled:
+            (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+            self._file = _truncated_jsonl(run_dir / "samples" / f"rank_{rank:05d}.jsonl", start_step)
+
+    def record(self, step: int, sample_ids: list[list[int]]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "samples": sample_ids}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

@@ -27,13 +27,23 @@ def check_launch(cfg: Config, world_size: int) -> None:
     Raises:
         ConfigError: bad world layout, data files, backend, or run-directory state.
     """
-    if world_size < 1:
-        raise ConfigError(f"--nproc={world_size} must be at least 1")
-    cfg.validate_batch(ParallelDims.from_config(cfg.parallel, world_size).dp)
+    check_world(cfg, world_size)
     if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("distributed.backend='nccl' needs CUDA GPUs; none is visible here, use 'gloo' or 'auto'")
     check_data_files(cfg.data)
     check_run_dir(cfg)
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """The parallel degrees and the batch layout fit ``world_size`` processes.
+
+    Raises:
+        ConfigError: a world size below 1, degrees that do not divide it, or a global batch
+            not divisible by dp × micro-batch.
+    """
+    if world_size < 1:
+        raise ConfigError(f"--nproc={world_size} must be at least 1")
+    cfg.validate_batch(ParallelDims.from_config(cfg.parallel, world_size).dp)
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -63,17 +73,19 @@ def check_run_dir(cfg: Config) -> None:
             )
         return
     if resume == "auto":
-        if find_latest_checkpoint(run_dir / "checkpoints", warn=False) is None:
+        latest = find_latest_checkpoint(run_dir / "checkpoints", warn=False)
+        if latest is None:
             return
     else:
-        problem = verify_checkpoint(Path(resume))
+        latest = Path(resume)
+        problem = verify_checkpoint(latest)
         if problem:
             raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {problem}")
-    _check_same_run(cfg)
+    # <run>/checkpoints/step_N: the config beside the checkpoint, also when it is another run's.
+    _check_same_run(cfg, latest.parent.parent / "config.toml")
 
 
-def _check_same_run(cfg: Config) -> None:
-    saved_file = cfg.run_dir / "config.toml"
+def _check_same_run(cfg: Config, saved_file: Path) -> None:
     if not saved_file.is_file():
         return
     saved = tomllib.loads(saved_file.read_text())

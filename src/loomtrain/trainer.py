@@ -11,15 +11,18 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loomtrain.checkpoint import CheckpointManager, TrainState
+from loomtrain.checkpoint import CheckpointManager, TrainState, read_manifest
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import (
     DistributedBatchLoader,
@@ -31,10 +34,12 @@ from loomtrain.data import (
     load_tokenizer,
 )
 from loomtrain.distributed.data_parallel import COMM_HOOKS, GradientSynchronizer, apply_data_parallel
+from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import ParallelDims
+from loomtrain.distributed.zero import ZeroSynchronizer, apply_zero, model_state_bytes
 from loomtrain.generation import sample
 from loomtrain.hardware import mfu, peak_flops_per_s
-from loomtrain.metrics import MetricsProcessor, peak_memory_bytes
+from loomtrain.metrics import EventLog, MetricsProcessor, SampleRecorder, last_logged_step, peak_memory_bytes
 from loomtrain.models import Transformer, count_params, flops_per_token
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.preflight import check_launch
@@ -77,15 +82,14 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     )
 
 
-def prepare_run_dir(cfg: Config, config_toml: str, tokenizer: Tokenizer, fresh_tokenizer: bool) -> None:
+def prepare_run_dir(cfg: Config, config_toml: str, tokenizer: Tokenizer) -> None:
     """Rank 0, after every check passed: apply ``run.overwrite``, create the directory, write
-    the config as the user gave it and (for a new run) the tokenizer."""
+    the config as the user gave it and the tokenizer."""
     if cfg.run.overwrite and cfg.run_dir.exists():
         shutil.rmtree(cfg.run_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "config.toml").write_text(config_toml)
-    if fresh_tokenizer:
-        tokenizer.save(cfg.run_dir / "tokenizer")
+    tokenizer.save(cfg.run_dir / "tokenizer")
 
 
 @dataclass
@@ -97,9 +101,10 @@ class Data:
     val: torch.Tensor
 
 
-def build_data(cfg: Config, reuse_tokenizer: bool) -> Data:
+def build_data(cfg: Config, saved_tokenizer: Path | None) -> Data:
     """Read the corpus and tokenize it. Rank 0 builds the tokenizer (or, when resuming, loads
-    the run's saved one) and broadcasts it, so all ranks agree on the vocabulary.
+    the one saved beside the checkpoint, ``saved_tokenizer``) and broadcasts it, so all ranks
+    agree on the vocabulary.
 
     Raises:
         ConfigError: a split too short for one sample of ``training.seq_len`` tokens.
@@ -107,8 +112,8 @@ def build_data(cfg: Config, reuse_tokenizer: bool) -> Data:
     train_text, val_text = load_corpus(cfg.data)
     box: list[Tokenizer | None] = [None]
     if dist.get_rank() == 0:
-        if reuse_tokenizer:
-            box[0] = load_tokenizer(cfg.run_dir / "tokenizer")
+        if saved_tokenizer is not None:
+            box[0] = load_tokenizer(saved_tokenizer)
         else:
             box[0] = build_tokenizer(cfg.data.tokenizer, train_text + val_text, cfg.data.bpe_vocab_size)
     dist.broadcast_object_list(box, src=0)
@@ -145,23 +150,34 @@ def micro_batch_loss(model, x: torch.Tensor, y: torch.Tensor, cfg: Config, devic
     return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
 
 
-def train_step(model, sync: GradientSynchronizer, optimizer, micro_batches, cfg: Config, device) -> float:
+def train_step(
+    model, sync: GradientSynchronizer | ZeroSynchronizer, optimizer, micro_batches, cfg: Config, device
+) -> float:
     """One optimizer step over this rank's micro-batches; returns the rank's mean loss.
 
     Only the last micro-batch's backward communicates (the others run under ``no_sync``),
-    then the averaged gradient is clipped by its global norm and applied.
+    then the averaged gradient is clipped by its global norm and applied. With ZeRO the loss
+    is multiplied by the fp16 loss scale (1 otherwise) and the synchronizer unscales and clips
+    its gradient shards; a step with inf/nan gradients is skipped.
     """
+    zero = isinstance(sync, ZeroSynchronizer)
+    scale = sync.loss_scale if zero else 1.0
     total = 0.0
     last = len(micro_batches) - 1
     for i, (x, y) in enumerate(micro_batches):
         with sync.no_sync() if i < last else contextlib.nullcontext():
             loss = micro_batch_loss(model, x, y, cfg, device)
-            (loss / len(micro_batches)).backward()
+            ((loss * scale if scale != 1.0 else loss) / len(micro_batches)).backward()
         total += loss.item()
     sync.finish_gradient_sync()
-    if cfg.training.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
-    optimizer.step()
+    if zero:
+        step_ok = sync.unscale_and_clip_(cfg.training.grad_clip)
+    else:
+        step_ok = True
+        if cfg.training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
+    if step_ok:
+        optimizer.step()
     sync.zero_grad()
     return total / len(micro_batches)
 
@@ -226,6 +242,25 @@ class Throughput:
         return self._rates(*self.total)
 
 
+class Preemption:
+    """Graceful stop on SIGTERM (a scheduler's preemption notice, or torchrun passing on the
+    launcher's SIGTERM): the handler only sets a flag; after each step the ranks agree by a
+    one-element all-reduce (MAX), so all stop at the same step and checkpoint together."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([int(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 class Trainer:
     """Builds a run from its config in the current process group, then trains it.
 
@@ -242,12 +277,18 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), self.device.type)
         self.rank0 = dist.get_rank() == 0
         check_launch(cfg, self.dims.world_size)
-        self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        layout = {"dp": self.dims.dp, "sp": self.dims.sp, "tp": self.dims.tp,
+                  "zero_stage": cfg.data_parallel.zero_stage}  # fmt: skip
+        self.ckpt = CheckpointManager(
+            cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save, layout
+        )
         self.resumed_from = self.ckpt.resolve(cfg.checkpoint.resume)
-        self.data = build_data(cfg, reuse_tokenizer=self.resumed_from is not None)
+        # <run>/checkpoints/step_N → <run>/tokenizer, also when resuming from another run's checkpoint.
+        saved_tokenizer = None if self.resumed_from is None else self.resumed_from.parent.parent / "tokenizer"
+        self.data = build_data(cfg, saved_tokenizer)
         resolve_vocab(cfg, self.data.tokenizer.vocab_size)
         if self.rank0:
-            prepare_run_dir(cfg, config_toml, self.data.tokenizer, fresh_tokenizer=self.resumed_from is None)
+            prepare_run_dir(cfg, config_toml, self.data.tokenizer)
         dist.barrier()
         self._build_model()
         self._resume()
@@ -257,27 +298,55 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(cfg.run.seed)
         self.model = Transformer(cfg.model).to(self.device)
-        hook = COMM_HOOKS[cfg.data_parallel.comm_hook]()
-        self.sync = apply_data_parallel(self.model, self.dims.dp_group, cfg.data_parallel.bucket_size_mb, hook)
+        dp = cfg.data_parallel
+        hook = COMM_HOOKS[dp.comm_hook]()
+        if dp.zero_stage == 0:
+            self.sync = apply_data_parallel(self.model, self.dims.dp_group, dp.bucket_size_mb, hook)
+        else:
+            mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
+            scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
+            self.sync = apply_zero(
+                self.model, self.dims.mesh["dp"], dp.zero_stage, mp, hook, scaler if dp.param_dtype == "fp16" else None
+            )
         self.optimizer = build_optimizer(self.model, t)
+        if dp.zero_stage > 0:
+            self.sync.attach_optimizer(self.optimizer)
         self.loader = DistributedBatchLoader(
             self.data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, self.dims.dp_rank, self.dims.dp,
             cfg.run.seed,
         )  # fmt: skip
 
     def _resume(self) -> None:
+        """Load the chosen checkpoint (if any) and record what happened in the event log."""
         self.step = self.start_step = 0
-        if self.resumed_from is not None:
-            state = self.ckpt.load(self.resumed_from, self.model, self.optimizer)
-            self.step = self.start_step = state.step
-            self.loader.load_state_dict(state.loader)
-            log.info("resumed from %s at step %d", self.resumed_from, self.step)
+        self.events = EventLog(self.cfg.run_dir, self.rank0)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        reached = last_logged_step(self.cfg.run_dir) if self.resumed_from is not None else 0
+        self.events("start", world_size=self.dims.world_size, attempt=attempt)
+        if attempt > 0:
+            self.events("failure_detected", failed_attempt=attempt - 1, reached_step=reached)
+            self.events("restart", attempt=attempt)
+        if self.resumed_from is None:
+            return
+        state = self.ckpt.load(self.resumed_from, self.model, self.optimizer)
+        self.step = self.start_step = state.step
+        self.loader.load_state_dict(state.loader)
+        if self._scaler is not None and "loss_scaler" in state.extra:
+            self._scaler.load_state_dict(state.extra["loss_scaler"])
+        saved_world = read_manifest(self.resumed_from)["world_size"]
+        self.events("checkpoint_loaded", path=str(self.resumed_from), step=state.step, saved_world_size=saved_world)
+        if saved_world != self.dims.world_size:
+            self.events("world_size_change", before=saved_world, after=self.dims.world_size)
+        if reached > state.step:
+            self.events("steps_redone", count=reached - state.step, from_step=state.step + 1, to_step=reached)
 
     def _build_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.metrics = MetricsProcessor(
             cfg.run_dir, t.steps, self.step, self.rank0, cfg.metrics.tensorboard, cfg.metrics.progress_bar
         )
+        self.samples = SampleRecorder(cfg.run_dir, dist.get_rank(), self.step, cfg.metrics.record_samples)
+        self.preemption = Preemption()
         peak = peak_flops_per_s(self.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
         fpt = flops_per_token(cfg.model, t.seq_len)
         world = self.dims.world_size
@@ -305,12 +374,34 @@ class Trainer:
             eval_now = self.step % t.eval_interval == 0 or self.step == t.steps
             if eval_now or self.step % t.log_interval == 0 or self.step == 1:
                 loss, val_loss = self._log_step(loss, eval_now, val_loss)
+            self.samples.record(self.step, self.loader.last_sample_ids)
             ck = self.cfg.checkpoint
             if ck.enabled and (self.step % ck.interval == 0 or self.step == t.steps):
-                self.ckpt.save(self.step, self.model, self.optimizer, TrainState(self.step, self.loader.state_dict()))
+                self._save()
+            if self.preemption.agreed(self.device):
+                return self._stop_for_preemption()
+        self.ckpt.finalize()
         if val_loss is None:
             val_loss = evaluate(self.model, self.data, self.cfg, self.dims, self.device)
         return self._finish(loss, val_loss)
+
+    @property
+    def _scaler(self):
+        return getattr(self.sync, "scaler", None)
+
+    def _save(self) -> None:
+        extra = {} if self._scaler is None else {"loss_scaler": self._scaler.state_dict()}
+        self.ckpt.save(self.step, self.model, self.optimizer, TrainState(self.step, self.loader.state_dict(), extra))
+
+    def _stop_for_preemption(self) -> dict:
+        """All ranks agreed a SIGTERM arrived: checkpoint this step (unless just done), stop."""
+        if self.ckpt.last_saved_step != self.step:
+            self._save()
+        self.ckpt.finalize()
+        self.events("preempted", step=self.step, checkpoint=f"step_{self.step:08d}")
+        self.metrics.close()
+        self.samples.close()
+        return {"final_step": self.step, "start_step": self.start_step, "preempted": True}
 
     def _log_step(self, local_loss: float, eval_now: bool, val_loss: float | None) -> tuple[float, float | None]:
         loss = mean_over_ranks(local_loss, self.device, self.dims.dp_group)
@@ -338,13 +429,24 @@ class Trainer:
             "flops_per_token": self.speed.flops_per_token,
             "peak_flops_per_s": self.speed.peak,
             "comm_bytes_per_step": self.sync.hook.bytes_sent / max(1, self.speed.total[0]),
+            **self._model_state_bytes(),
         }
+        if self._scaler is not None:
+            summary["loss_scale"] = self._scaler.scale
         self.metrics.close()
+        self.samples.close()
         self.sync.remove()
         if self.rank0:
             (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self._print_end(summary)
         return summary
+
+    def _model_state_bytes(self) -> dict[str, int]:
+        """This rank's ``param_bytes``, ``grad_bytes``, ``optim_bytes`` (held storage; for ZeRO
+        the largest seen at a step's end, before gradients are dropped)."""
+        if isinstance(self.sync, ZeroSynchronizer):
+            return dict(self.sync.state_bytes)
+        return model_state_bytes(self.model.parameters(), [], self.optimizer)
 
     def _print_end(self, summary: dict) -> None:
         s = self.cfg.sample

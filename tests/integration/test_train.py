@@ -41,13 +41,16 @@ def losses(run_dir: Path) -> dict[int, float]:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     whole = train_2proc(out, "whole", "--training.steps=20")
-    train_2proc(out, "split", "--training.steps=10")
+    # The first half saves asynchronously, the second synchronously: the exact-resume check
+    # covers both ways of writing a checkpoint.
+    train_2proc(out, "split", "--training.steps=10", "--checkpoint.async_save=true")
     resumed = train_2proc(out, "split", "--training.steps=20", "--checkpoint.resume=auto")
     return out, whole, resumed
 
 
 def test_resumed_run_has_identical_losses(runs):
-    """Catches: optimizer moments, LR step, data position or RNG lost across a restart."""
+    """Catches: optimizer moments, LR step, data position or RNG lost across a restart, or an
+    asynchronous save sealed before its writes finished."""
     out, _, resumed = runs
     assert resumed["start_step"] == 10
     assert losses(out / "split") == losses(out / "whole")

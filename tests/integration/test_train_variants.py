@@ -50,3 +50,19 @@ def test_cuda_nccl_bf16_single_gpu(tmp_path, monkeypatch):
     assert dist.get_backend() == "nccl"
     dist.destroy_process_group()
     assert summary["final_step"] == 10 and 0 < summary["mfu"] < 1
+
+
+def test_fp16_loss_scale_survives_a_resume(tmp_path):
+    """Catches: a resumed fp16 run restarting at the initial loss scale (it would overflow and
+    skip steps again that the uninterrupted run no longer skips)."""
+    import torch.distributed.checkpoint as dcp
+
+    common = [*TINY, f"--run.out_dir={tmp_path}", "--data_parallel.zero_stage=2", "--data_parallel.param_dtype=fp16",
+              "--data_parallel.loss_scale_init=1e30", "--checkpoint.interval=1000"]  # fmt: skip
+    first = spawn(run_train, 2, [*common, "--training.steps=6"], timeout_s=180)[0]
+    assert first["loss_scale"] < 1e30
+    state = {"train": ""}
+    dcp.load(state, checkpoint_id=tmp_path / "shakespeare_char" / "checkpoints" / "step_00000006")
+    assert json.loads(state["train"])["extra"]["loss_scaler"]["scale"] == first["loss_scale"]
+    again = spawn(run_train, 2, [*common, "--training.steps=6", "--checkpoint.resume=auto"], timeout_s=180)[0]
+    assert again["loss_scale"] == first["loss_scale"]

@@ -67,7 +67,8 @@ class GradBucket:
 class CommHook(ABC):
     """Reduces one bucket's gradients across the data-parallel group.
 
-    Subclasses implement :meth:`reduce`. A hook may keep state (error-feedback residuals,
+    Subclasses implement :meth:`reduce` (and may override :meth:`reduce_scatter`, which ZeRO
+    stages 2 and 3 call instead). A hook may keep state (error-feedback residuals,
     for instance); :meth:`state_dict`/:meth:`load_state_dict` carry it into checkpoints.
     ``bytes_sent`` counts the bytes this rank put on the wire, summed over calls.
     """
@@ -80,6 +81,20 @@ class CommHook(ABC):
         """Start the reduction of ``bucket.buffer``; the future's value is the averaged
         gradient shaped like ``bucket.buffer`` (it may be the buffer itself), as a tensor or a
         one-element list of it (what a collective's own future holds)."""
+
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+        """Start the averaged reduce-scatter used by ZeRO stages 2 and 3 (see ``zero.py``).
+
+        ``flat`` is 1-D with ``n·k`` elements for ``n`` ranks, rank ``r``'s part being
+        ``flat[r·k:(r+1)·k]``; ``out`` has ``k`` elements. Returns a handle with ``wait()``
+        (a collective's ``Work``; gloo's reduce-scatter has no future); once it returns,
+        ``out`` holds this rank's averaged part. The default divides by ``n`` (in place) and
+        runs a sum reduce-scatter; ``bytes_sent`` grows by the ring volume (n−1)/n of ``flat``.
+        """
+        n = dist.get_world_size(group)
+        flat.div_(n)
+        self.bytes_sent += int((n - 1) / n * flat.numel() * flat.element_size())
+        return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
 
     def state_dict(self) -> dict:
         return {}

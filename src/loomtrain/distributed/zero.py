@@ -1,0 +1,469 @@
+"""ZeRO stages 1, 2 and 3: model state sharded over the data-parallel ranks.
+
+Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (SC 2020), §5 (P_os, P_os+g, P_os+g+p) and §7 (communication).
+
+Every parameter is sharded along dim 0 over the ``dp`` mesh axis (rank ``r`` holds rows
+``[r·c, (r+1)·c)``, ``c = ceil(dim0 / N)``; trailing ranks may hold fewer or none). The shard
+is an fp32 ``DTensor`` with placement ``Shard(0)``, registered in the module in place of the
+original parameter, so ``state_dict()``, the optimizer and DCP see sharded master weights
+and DCP reshards them between world sizes.
+
+For compute, each *unit* (one ``TransformerBlock``, plus one unit for the remaining
+parameters) gets full tensors in ``param_dtype``, swapped into the module around its forward:
+
+- stage 1: full parameters persist; gradients are all-reduced (full gradients held), each
+  rank keeps its rows for the optimizer.
+- stage 2: as stage 1, but gradients are reduce-scattered: a rank keeps only its shard.
+- stage 3: full parameters exist only while needed: gathered before a unit's forward and
+  again before its backward, freed after each; the next unit's all-gather is launched
+  asynchronously so it overlaps the current unit's compute.
+
+In stages 1 and 2 the updated shards are all-gathered at the first forward after an
+optimizer step (or a checkpoint load). Gradient reduction runs unit by unit during backward,
+through the :class:`~loomtrain.distributed.data_parallel.CommHook` seam, launched in a fixed
+unit order so all ranks issue collectives in the same sequence.
+
+Collectives use one flat buffer per unit, rank-major: rank ``r``'s segment holds its rows of
+every parameter, each padded to ``c`` rows, so all-gather and reduce-scatter are single calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, broadcast_module
+from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """One original parameter: its registrations, full compute tensor and fp32 master shard."""
+
+    name: str
+    owners: list[tuple[nn.Module, str]]
+    shape: torch.Size
+    rows: int  # rows per rank, c = ceil(dim0 / N)
+    offset: int  # element offset of this parameter's chunk inside a rank's segment
+    full: nn.Parameter
+    master: nn.Parameter
+    pieces: list[tuple[int, int, int]]  # (rank, first row, end row) for every rank holding rows
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.rows * self.row_numel
+
+
+@dataclass
+class _Unit:
+    """Parameters gathered and reduced together (``shard_numel`` = one rank's segment)."""
+
+    index: int
+    slots: list[_Slot]
+    shard_numel: int
+    padded: bool  # some parameter's dim 0 does not divide by N: its padding rows must read zero
+    produced: int = 0
+    ready: bool = False
+    pending: tuple | None = None  # (work, flat) of an all-gather in flight
+    gathered: bool = False
+    reduced: tuple | None = None  # (handle, out) of the gradient reduction in flight
+
+
+def _rows_of(dim0: int, rank: int, n: int) -> tuple[int, int]:
+    """Row range ``[start, end)`` that ``rank`` holds (``torch.chunk`` layout, as DTensor)."""
+    c = -(-dim0 // n)
+    start = min(rank * c, dim0)
+    return start, min(start + c, dim0)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(params, extra_params, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Per-rank bytes actually held (distinct storages): parameters, gradients, optimizer state.
+
+    ``params`` are the optimizer's parameters, ``extra_params`` further tensors held for
+    compute (ZeRO's gathered copies; their gradients count as gradients).
+    """
+    params, extra_params = list(params), list(extra_params)
+    everything = params + extra_params
+    optim = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "param_bytes": storage_bytes(everything),
+        "grad_bytes": storage_bytes(p.grad for p in everything),
+        "optim_bytes": storage_bytes(optim),
+    }
+
+
+class ZeroSynchronizer:
+    """Shards a module's state over ``mesh`` and drives gathering and gradient reduction.
+
+    Same driving protocol as :class:`~loomtrain.distributed.data_parallel.GradientSynchronizer`
+    (``no_sync()``, ``finish_gradient_sync()``, ``zero_grad()``, ``remove()``, ``.hook``),
+    plus :meth:`attach_optimizer`, :meth:`unscale_and_clip_` and :attr:`loss_scale`.
+    Built by :func:`apply_zero`.
+    """
+
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, stage: int,
+                 mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None):  # fmt: skip
+        self.mesh, self.stage, self.mp, self.hook, self.scaler = mesh, stage, mp, hook, scaler
+        self.group = mesh.get_group()
+        self.n, self.rank = mesh.size(), mesh.get_local_rank()
+        self.units = self._build_units(module, blocks)
+        self.state_bytes = {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._sync = True
+        self._stale = stage < 3  # stages 1-2: full copies are refreshed at the next forward
+        self._next_launch = 0
+        self._warned_unused = False
+        self._handles = self._install_hooks(module, blocks)
+
+    # ----- construction -----------------------------------------------------------------
+
+    def _build_units(self, module: nn.Module, blocks: Sequence[nn.Module]) -> list[_Unit]:
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        names: dict[int, str] = {}
+        for mod_name, mod in module.named_modules():
+            for attr, p in mod.named_parameters(recurse=False):
+                owners.setdefault(id(p), []).append((mod, attr))
+                names.setdefault(id(p), f"{mod_name}.{attr}".lstrip("."))
+        in_block = {id(p) for b in blocks for p in b.parameters()}
+        rest = [p for p in module.parameters() if id(p) not in in_block]
+        groups = [list(b.parameters()) for b in blocks] + [rest]
+        return [self._build_unit(i, ps, owners, names) for i, ps in enumerate(groups)]
+
+    def _build_unit(self, index: int, params: list[nn.Parameter], owners: dict, names: dict) -> _Unit:
+        slots, offset = [], 0
+        for p in params:
+            if p.dim() == 0:
+                raise ValueError(f"ZeRO shards along dim 0; parameter {names[id(p)]} is a scalar")
+            slot = self._make_slot(p, names[id(p)], owners[id(p)], offset)
+            slots.append(slot)
+            offset += slot.chunk_numel
+        padded = any(s.rows * self.n != s.shape[0] for s in slots)
+        return _Unit(index, slots, offset, padded)
+
+    @torch.no_grad()
+    def _make_slot(self, p: nn.Parameter, name: str, owners: list, offset: int) -> _Slot:
+        rows = -(-p.shape[0] // self.n)
+        start, end = _rows_of(p.shape[0], self.rank, self.n)
+        keep_full = self.stage < 3 and p.dtype == self.mp.param_dtype == torch.float32
+        if keep_full:
+            # fp32 stages 1-2: the master shard is a view of the full parameter, held once.
+            full, local = p, p.data[start:end]
+        else:
+            full = nn.Parameter(torch.empty(p.shape, dtype=self.mp.param_dtype, device=p.device))
+            local = p.detach()[start:end].to(torch.float32).clone()
+        master = nn.Parameter(
+            DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+        )
+        pieces = [(r, *_rows_of(p.shape[0], r, self.n)) for r in range(self.n)]
+        slot = _Slot(name, owners, p.shape, rows, offset, full, master, [x for x in pieces if x[2] > x[1]])
+        if self.stage == 3:
+            full.untyped_storage().resize_(0)
+        self._register(slot, master)
+        return slot
+
+    @staticmethod
+    def _register(slot: _Slot, tensor: nn.Parameter) -> None:
+        for mod, attr in slot.owners:
+            mod._parameters[attr] = tensor
+
+    def _install_hooks(self, module: nn.Module, blocks: Sequence[nn.Module]) -> list:
+        handles = [
+            module.register_forward_pre_hook(self._root_pre_forward),
+            module.register_forward_hook(lambda m, a, out: self._post_forward(self.units[-1], out)),
+            module.register_load_state_dict_post_hook(lambda m, keys: self._mark_stale()),
+        ]
+        for unit, block in zip(self.units, blocks, strict=False):
+            handles.append(block.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u)))
+            handles.append(block.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out)))
+        for unit in self.units:
+            for slot in unit.slots:
+                handles.append(slot.full.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u)))
+        return handles
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell the synchronizer which optimizer steps the masters: after each step, stages
+        1-2 refresh their full copies; :meth:`zero_grad` measures the optimizer state."""
+        self.optimizer = optimizer
+        self._handles.append(optimizer.register_step_post_hook(lambda *a: self._mark_stale()))
+
+    def _mark_stale(self) -> None:
+        self._stale = self.stage < 3
+
+    # ----- gathering ---------------------------------------------------------------------
+
+    def _start_gather(self, unit: _Unit) -> None:
+        if unit.pending is not None or unit.gathered:
+            return
+        dtype, device = self.mp.param_dtype, unit.slots[0].master.device
+        send = torch.empty(unit.shard_numel, dtype=dtype, device=device)  # padding rows are gathered, then dropped
+        for slot in unit.slots:
+            local = slot.master.to_local()
+            send[slot.offset : slot.offset + local.numel()].copy_(local.reshape(-1))
+        recv = torch.empty(self.n * unit.shard_numel, dtype=dtype, device=device)
+        # A list of narrow() views, not all_gather_into_tensor: gloo splits that output into
+        # multi-output views, which autograd refuses to let its worker thread write into.
+        parts = [recv.narrow(0, r * unit.shard_numel, unit.shard_numel) for r in range(self.n)]
+        unit.pending = (dist.all_gather(parts, send, group=self.group, async_op=True), recv)
+
+    @torch.no_grad()
+    def _ensure_gathered(self, unit: _Unit) -> None:
+        if unit.pending is None and (unit.gathered or self.stage < 3):
+            return
+        self._start_gather(unit)
+        work, recv = unit.pending
+        work.wait()
+        segments = recv.view(self.n, unit.shard_numel)
+        for slot in unit.slots:
+            storage = slot.full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(slot.full.numel() * slot.full.element_size())
+            # .data: refilling a freed parameter must not bump the version autograd saved.
+            rows = slot.full.data.view(slot.shape[0], -1)
+            for r, start, end in slot.pieces:
+                piece = segments[r, slot.offset : slot.offset + (end - start) * slot.row_numel]
+                rows[start:end].copy_(piece.view(end - start, -1))
+        unit.pending, unit.gathered = None, True
+
+    def _free(self, unit: _Unit) -> None:
+        if self.stage == 3 and unit.gathered:
+            for slot in unit.slots:
+                slot.full.untyped_storage().resize_(0)
+            unit.gathered = False
+
+    # ----- forward and backward hooks ---------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self._stale:
+            # Launch every refresh now; each unit waits for its own just before its forward.
+            for unit in (self.units[-1], *self.units[:-1]):
+                unit.gathered = False
+                self._start_gather(unit)
+            self._stale = False
+        self._pre_forward(self.units[-1])
+
+    def _pre_forward(self, unit: _Unit) -> None:
+        self._ensure_gathered(unit)
+        if self.stage == 3:
+            nxt = 0 if unit is self.units[-1] else unit.index + 1
+            if nxt < len(self.units) - 1:
+                self._start_gather(self.units[nxt])
+        if torch.is_grad_enabled():
+            unit.produced = 0
+        for slot in unit.slots:
+            self._register(slot, slot.full)
+
+    def _post_forward(self, unit: _Unit, out) -> None:
+        for slot in unit.slots:
+            self._register(slot, slot.master)
+        self._free(unit)
+        if isinstance(out, torch.Tensor) and out.requires_grad and self.stage == 3:
+            out.register_hook(lambda g, u=unit: self._pre_backward(u))
+
+    def _pre_backward(self, unit: _Unit) -> None:
+        self._ensure_gathered(unit)
+        # Backward visits the root's output head first, then blocks last to first.
+        prev = len(self.units) - 2 if unit is self.units[-1] else unit.index - 1
+        if prev >= 0:
+            self._start_gather(self.units[prev])
+
+    def _on_grad(self, unit: _Unit) -> None:
+        unit.produced += 1
+        if unit.produced < len(unit.slots):
+            return
+        self._free(unit)
+        if self._sync:
+            unit.ready = True
+            self._launch_ready()
+
+    # ----- gradient reduction -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally, without communication (all micro-batches but the last)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _reduce_order(self) -> list[_Unit]:
+        # The order in which backward completes units: blocks last to first, then the root.
+        return [*reversed(self.units[:-1]), self.units[-1]]
+
+    def _launch_ready(self) -> None:
+        order = self._reduce_order()
+        while self._next_launch < len(order) and order[self._next_launch].ready:
+            self._launch(order[self._next_launch])
+
+    @torch.no_grad()
+    def _launch(self, unit: _Unit) -> None:
+        slot0 = unit.slots[0]
+        numel = self.n * unit.shard_numel
+        flat = torch.empty(numel, dtype=self.mp.reduce_dtype, device=slot0.master.device)
+        if unit.padded:
+            flat.zero_()
+        segments = flat.view(self.n, unit.shard_numel)
+        missing = []
+        for slot in unit.slots:
+            grad = slot.full.grad
+            if grad is None:
+                missing.append(slot.name)
+                segments[:, slot.offset : slot.offset + slot.chunk_numel].zero_()
+                continue
+            rows = grad.reshape(slot.shape[0], -1)
+            for r, start, end in slot.pieces:  # padding rows stay zero
+                piece = segments[r, slot.offset : slot.offset + (end - start) * slot.row_numel]
+                piece.view(end - start, -1).copy_(rows[start:end])
+            slot.full.grad = None
+        if missing and not self._warned_unused:
+            self._warned_unused = True
+            log.warning("parameters without a gradient this step (reduced as zeros): %s", ", ".join(missing))
+        if self.stage == 1:
+            unit.reduced = (self.hook.reduce(GradBucket(unit.index, flat, [], [], []), self.group), None)
+        else:
+            out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+            unit.reduced = (self.hook.reduce_scatter(flat, out, self.group), out)
+        self._next_launch += 1
+
+    def finish_gradient_sync(self) -> None:
+        """Launch units still waiting for parameters that got no gradient (reduced as zeros,
+        named once in a warning), wait for every reduction, and set each master's ``.grad``
+        to this rank's fp32 shard of the rank-averaged gradient (a ``Shard(0)`` DTensor)."""
+        order = self._reduce_order()
+        while self._next_launch < len(order):
+            self._launch(order[self._next_launch])
+        for unit in order:
+            handle, out = unit.reduced
+            value = handle.wait()
+            if out is None:  # stage 1: the all-reduce future's value is the whole flat buffer
+                value = value[0] if isinstance(value, list) else value
+                out = value.view(self.n, unit.shard_numel)[self.rank]
+            self._set_master_grads(unit, out)
+            unit.reduced = None
+            unit.ready = False
+            self._free(unit)
+        self._next_launch = 0
+
+    def _set_master_grads(self, unit: _Unit, shard: torch.Tensor) -> None:
+        for slot in unit.slots:
+            local = slot.master.to_local()
+            grad = shard[slot.offset : slot.offset + local.numel()].view(local.shape)
+            slot.master.grad = DTensor.from_local(
+                grad.to(torch.float32), self.mesh, [Shard(0)], run_check=False, shape=slot.shape,
+                stride=slot.master.stride(),
+            )  # fmt: skip
+
+    # ----- optimizer step ----------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor to multiply the loss by before backward (1 unless fp16 loss scaling is on)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [s.master.grad.to_local() for u in self.units for s in u.slots if s.master.grad is not None]
+
+    @torch.no_grad()
+    def unscale_and_clip_(self, max_norm: float) -> bool:
+        """Prepare the sharded gradients for the optimizer step.
+
+        With fp16 loss scaling, divide by the scale and return ``False`` (skip the step;
+        the scale has been lowered) if any rank found inf or nan. Then, if ``max_norm > 0``,
+        clip by the global L2 norm: the squares of every rank's shards are summed with one
+        all-reduce, and all gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``
+        (the rule of ``torch.nn.utils.clip_grad_norm_``).
+        """
+        grads = self._local_grads()
+        if self.scaler is not None and not self.scaler.unscale_and_check(grads, self.group):
+            return False
+        if max_norm > 0:
+            device = self.units[0].slots[0].master.device
+            squares = torch.zeros((), dtype=torch.float32, device=device)
+            for g in grads:
+                squares += g.pow(2).sum()
+            dist.all_reduce(squares, group=self.group)
+            coef = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return True
+
+    def zero_grad(self) -> None:
+        """Record the model-state bytes now held (the step's peak), then drop the gradients."""
+        if self.optimizer is not None:
+            measured = model_state_bytes(self.masters(), self.full_params(), self.optimizer)
+            self.state_bytes = {k: max(v, self.state_bytes[k]) for k, v in measured.items()}
+        for unit in self.units:
+            for slot in unit.slots:
+                slot.master.grad = None
+                slot.full.grad = None
+
+    def masters(self) -> list[nn.Parameter]:
+        """The fp32 ``Shard(0)`` master parameters (what the optimizer steps on)."""
+        return [s.master for u in self.units for s in u.slots]
+
+    def full_params(self) -> list[nn.Parameter]:
+        """The full compute tensors (storage freed between uses in stage 3)."""
+        return [s.full for u in self.units for s in u.slots]
+
+    @torch.no_grad()
+    def remove(self) -> None:
+        """Detach all hooks and put full fp32 parameters back into the module (a collective:
+        every rank must call it), leaving a plain module, e.g. for generation."""
+        for h in self._handles:
+            h.remove()
+        for unit in self.units:
+            for slot in unit.slots:
+                self._register(slot, nn.Parameter(slot.master.full_tensor()))
+
+
+def apply_zero(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    stage: int,
+    mp: MixedPrecision | None = None,
+    hook: CommHook | None = None,
+    scaler: DynamicLossScaler | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+) -> ZeroSynchronizer:
+    """Shard ``module``'s parameters over the 1-D data-parallel ``mesh``, in place (ZeRO ``stage``).
+
+    Broadcasts rank 0's parameters and buffers first. ``blocks`` are the units gathered one
+    at a time (default: ``module.layers``, the TransformerBlocks); the other parameters form
+    one more unit. Build the optimizer afterwards on ``module.parameters()`` (the masters) and
+    pass it to :meth:`ZeroSynchronizer.attach_optimizer`.
+
+    Raises:
+        ValueError: ``stage`` not in 1..3, or a scalar (0-dim) parameter.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"data_parallel.zero_stage={stage}; apply_zero needs 1, 2 or 3 (0 is plain data parallel)")
+    broadcast_module(module, mesh.get_group())
+    blocks = list(getattr(module, "layers", [])) if blocks is None else list(blocks)
+    return ZeroSynchronizer(module, blocks, mesh, stage, mp or MixedPrecision(), hook or AllReduceHook(), scaler)

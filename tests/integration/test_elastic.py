@@ -1,0 +1,136 @@
+"""Fault tolerance end to end: a killed rank is restarted and the result is unchanged, SIGTERM
+checkpoints and exits 0, and a run resumes on another world size without skipping or repeating
+a sample. Every launch has a hard timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loomtrain.checkpoint import find_latest_checkpoint, load_model_weights, verify_checkpoint
+from loomtrain.config import load_config
+from loomtrain.data import DistributedBatchLoader, encode_to_tensor, load_corpus, load_tokenizer
+from loomtrain.distributed.spawn import spawn
+from loomtrain.launch import local_worker_pids
+from loomtrain.metrics import EventLog, last_logged_step
+from loomtrain.models import Transformer
+from tests.integration.test_train import TINY, losses, run_train
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "shakespeare_char.toml")
+# The default model, so steps last long enough (tens of ms) to be interrupted mid-run.
+SLOW = ["--training.log_interval=1", "--metrics.progress_bar=false", "--sample.max_new_tokens=0",
+        "--training.eval_interval=1000", "--training.eval_batches=2"]  # fmt: skip
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", CONFIG, *SLOW, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while last_logged_step(run) < step:
+        assert proc.poll() is None, proc.stderr.read()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"step {step} not reached in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def events(run: Path) -> list[dict]:
+    return EventLog(run, enabled=False).read()
+
+
+def final_weights(run: Path, steps: int) -> dict[str, torch.Tensor]:
+    cfg = load_config(run / "config.toml")
+    cfg.model.vocab_size = load_tokenizer(run / "tokenizer").vocab_size
+    model = Transformer(cfg.model)
+    load_model_weights(run / "checkpoints" / f"step_{steps:08d}", model)
+    return model.state_dict()
+
+
+def test_killed_rank_restarts_and_ends_with_the_uninterrupted_parameters(tmp_path):
+    """Catches: a restart that does not resume, resumes from the wrong step, or loses state."""
+    common = ["--training.steps=60", "--checkpoint.interval=20", "--run.name=job"]
+    proc = start_cli("--nproc", "2", "--elastic", "--max-restarts", "2", f"--run.out_dir={tmp_path}/a", *common)
+    wait_for_step(tmp_path / "a" / "job", 30, proc)
+    os.kill(local_worker_pids(str(tmp_path / "a"))[-1], signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, proc.stderr.read()
+    spawn(run_train, 2, [*SLOW, *common, f"--run.out_dir={tmp_path}/b"], timeout_s=240)
+    got, want = final_weights(tmp_path / "a" / "job", 60), final_weights(tmp_path / "b" / "job", 60)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    kinds = [e["event"] for e in events(tmp_path / "a" / "job")]
+    assert "restart" in kinds and "checkpoint_loaded" in kinds and "steps_redone" in kinds
+
+
+def test_sigterm_to_launcher_saves_a_checkpoint_and_exits_0(tmp_path):
+    """Catches: preemption that loses the steps since the last periodic checkpoint."""
+    proc = start_cli("--nproc", "2", "--training.steps=100000", "--checkpoint.interval=100000",
+                     f"--run.out_dir={tmp_path}")  # fmt: skip
+    run = tmp_path / "shakespeare_char"
+    wait_for_step(run, 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    preempted = [e for e in events(run) if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["step"] >= 5
+    latest = find_latest_checkpoint(run / "checkpoints")
+    assert latest is not None and latest.name == preempted[0]["checkpoint"]
+    assert verify_checkpoint(latest) is None
+
+
+def planned_samples(run: Path, steps: int) -> dict[int, list[int]]:
+    """step → sorted sample ids of the global batch, as one process with no restart draws them."""
+    cfg = load_config(run / "config.toml")
+    train_text, _ = load_corpus(cfg.data)
+    tokens = encode_to_tensor(load_tokenizer(run / "tokenizer"), train_text)
+    t = cfg.training
+    loader = DistributedBatchLoader(tokens, t.seq_len, t.global_batch_size, t.global_batch_size, 0, 1, cfg.run.seed)
+    plan = {}
+    for step in range(1, steps + 1):
+        loader.next_step()
+        plan[step] = sorted(i for mb in loader.last_sample_ids for i in mb)
+    return plan
+
+
+def samples_by_step(run: Path) -> dict[int, list[int]]:
+    """step → sorted sample ids over all ranks, from the last attempt that trained that step."""
+    by_rank: dict[str, dict[int, list[int]]] = {}
+    for path in sorted((run / "samples").glob("rank_*.jsonl")):
+        records = [json.loads(x) for x in path.read_text().splitlines()]
+        by_rank[path.name] = {r["step"]: [i for mb in r["samples"] for i in mb] for r in records}
+    steps = set().union(*(d.keys() for d in by_rank.values()))
+    return {s: sorted(i for d in by_rank.values() for i in d.get(s, [])) for s in steps}
+
+
+def test_resume_on_another_world_size_keeps_losses_and_sample_order(tmp_path):
+    """Catches: a data position that depends on the world size (skipped or repeated samples),
+    or model/optimizer state that does not survive resharding."""
+
+    def run(name: str, world: int, *extra: str) -> None:
+        overrides = [*TINY, "--metrics.record_samples=true", "--checkpoint.keep_last=4", "--training.steps=20",
+                     f"--run.out_dir={tmp_path}", f"--run.name={name}", *extra]  # fmt: skip
+        spawn(run_train, world, overrides, timeout_s=180)
+
+    run("whole2", 2)
+    run("whole4", 4)
+    run("grow", 4, f"--checkpoint.resume={tmp_path}/whole2/checkpoints/step_00000010")
+    run("shrink", 2, f"--checkpoint.resume={tmp_path}/whole4/checkpoints/step_00000010")
+    planned = planned_samples(tmp_path / "whole2", 20)
+    for name in ("whole2", "whole4"):
+        assert samples_by_step(tmp_path / name) == planned, name
+    for name in ("grow", "shrink"):
+        assert samples_by_step(tmp_path / name) == {s: planned[s] for s in range(11, 21)}, name
+    for changed, same_world in (("grow", "whole4"), ("shrink", "whole2")):
+        got, want = losses(tmp_path / changed), losses(tmp_path / same_world)
+        assert sorted(got) == list(range(11, 21))
+        for s in got:
+            assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (changed, s, got[s], want[s])
+        kinds = [e["event"] for e in events(tmp_path / changed)]
+        assert "world_size_change" in kinds, changed
