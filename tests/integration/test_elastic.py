@@ -111,11 +111,12 @@ def samples_by_step(run: Path) -> dict[int, list[int]]:
 
 def test_resume_on_another_world_size_keeps_losses_and_sample_order(tmp_path):
     """Catches: a data position that depends on the world size (skipped or repeated samples),
-    or model/optimizer state that does not survive resharding."""
+    or ZeRO-3 sharded model/optimizer state that does not survive resharding."""
 
     def run(name: str, world: int, *extra: str) -> None:
         overrides = [*TINY, "--metrics.record_samples=true", "--checkpoint.keep_last=4", "--training.steps=20",
-                     f"--run.out_dir={tmp_path}", f"--run.name={name}", *extra]  # fmt: skip
+                     "--data_parallel.zero_stage=3", f"--run.out_dir={tmp_path}", f"--run.name={name}",
+                     *extra]  # fmt: skip
         spawn(run_train, world, overrides, timeout_s=180)
 
     run("whole2", 2)
