@@ -58,7 +58,8 @@ class Impl:
             self.sync.zero_grad()
             self.peak = sum(self.sync.state_bytes.values())
         else:
-            held = model_state_bytes(self.model.parameters(), [], self.state_opt)
+            params = list(self.model.parameters())
+            held = model_state_bytes(params, [p.grad for p in params], self.state_opt)
             self.peak = max(self.peak, sum(held.values()))
             self.opt.zero_grad()
 

@@ -150,7 +150,8 @@ class DataParallelConfig(_Section):
     ``zero_stage``: 0 plain data parallel; 1 optimizer state sharded; 2 optimizer state and
     gradients; 3 parameters too (Rajbhandari et al., SC 2020). With ZeRO (stage ≥ 1) master
     weights and optimizer state are fp32; ``param_dtype`` is the dtype forward and backward
-    compute in, ``reduce_dtype`` the one gradients are reduced in. ``param_dtype="fp16"`` turns
+    compute in, ``reduce_dtype`` the one gradients are reduced and held in (bf16 with bf16 gives
+    the paper's mixed-precision memory, see docs/zero.md). ``param_dtype="fp16"`` turns
     on dynamic loss scaling (initial scale ``loss_scale_init``, doubled after
     ``loss_scale_growth_interval`` good steps, halved and the step skipped on inf/nan).
     ``training.dtype="bf16"`` (autocast) is independent of these and works with every stage.

@@ -443,10 +443,11 @@ class Trainer:
 
     def _model_state_bytes(self) -> dict[str, int]:
         """This rank's ``param_bytes``, ``grad_bytes``, ``optim_bytes`` (held storage; for ZeRO
-        the largest seen at a step's end, before gradients are dropped)."""
+        the largest persistent state seen at a step's end, see ``ZeroSynchronizer.zero_grad``)."""
         if isinstance(self.sync, ZeroSynchronizer):
             return dict(self.sync.state_bytes)
-        return model_state_bytes(self.model.parameters(), [], self.optimizer)
+        params = list(self.model.parameters())
+        return model_state_bytes(params, [p.grad for p in params], self.optimizer)
 
     def _print_end(self, summary: dict) -> None:
         s = self.cfg.sample

@@ -26,6 +26,11 @@ unit order so all ranks issue collectives in the same sequence.
 
 Collectives use one flat buffer per unit, rank-major: rank ``r``'s segment holds its rows of
 every parameter, each padded to ``c`` rows, so all-gather and reduce-scatter are single calls.
+
+The reduced gradient is held in ``reduce_dtype`` (stage 1: the whole all-reduced buffer,
+stages 2-3: this rank's shard). With ``reduce_dtype`` fp32 each master's ``.grad`` is a view
+of it; otherwise (bf16, fp16: the paper's mixed-precision setting, §3.1) the fp32 ``.grad``
+the optimizer needs is a copy made just before the step and dropped by ``zero_grad``.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class _Unit:
     pending: tuple | None = None  # (work, flat) of an all-gather in flight
     gathered: bool = False
     reduced: tuple | None = None  # (handle, out) of the gradient reduction in flight
+    grad: torch.Tensor | None = None  # this rank's part of the reduced gradient, in reduce_dtype
 
 
 def _rows_of(dim0: int, rank: int, n: int) -> tuple[int, int]:
@@ -104,18 +110,13 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def model_state_bytes(params, extra_params, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Per-rank bytes actually held (distinct storages): parameters, gradients, optimizer state.
-
-    ``params`` are the optimizer's parameters, ``extra_params`` further tensors held for
-    compute (ZeRO's gathered copies; their gradients count as gradients).
-    """
-    params, extra_params = list(params), list(extra_params)
-    everything = params + extra_params
+def model_state_bytes(params, grads, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Per-rank bytes actually held (distinct storages) by ``params``, ``grads`` (``None``
+    entries skipped) and ``optimizer``'s state."""
     optim = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
-        "param_bytes": storage_bytes(everything),
-        "grad_bytes": storage_bytes(p.grad for p in everything),
+        "param_bytes": storage_bytes(params),
+        "grad_bytes": storage_bytes(grads),
         "optim_bytes": storage_bytes(optim),
     }
 
@@ -127,6 +128,9 @@ class ZeroSynchronizer:
     (``no_sync()``, ``finish_gradient_sync()``, ``zero_grad()``, ``remove()``, ``.hook``),
     plus :meth:`attach_optimizer`, :meth:`unscale_and_clip_` and :attr:`loss_scale`.
     Built by :func:`apply_zero`.
+
+    :attr:`state_bytes` holds the largest persistent model state seen at a step's end (see
+    :meth:`zero_grad`): masters, full copies, reduced gradients and optimizer state.
     """
 
     def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, stage: int,
@@ -212,6 +216,7 @@ class ZeroSynchronizer:
         """Tell the synchronizer which optimizer steps the masters: after each step, stages
         1-2 refresh their full copies; :meth:`zero_grad` measures the optimizer state."""
         self.optimizer = optimizer
+        self._handles.append(optimizer.register_step_pre_hook(lambda *a: self._set_master_grads()))
         self._handles.append(optimizer.register_step_post_hook(lambda *a: self._mark_stale()))
 
     def _mark_stale(self) -> None:
@@ -355,8 +360,10 @@ class ZeroSynchronizer:
 
     def finish_gradient_sync(self) -> None:
         """Launch units still waiting for parameters that got no gradient (reduced as zeros,
-        named once in a warning), wait for every reduction, and set each master's ``.grad``
-        to this rank's fp32 shard of the rank-averaged gradient (a ``Shard(0)`` DTensor)."""
+        named once in a warning) and wait for every reduction. Each master's ``.grad`` is then
+        this rank's fp32 shard of the rank-averaged gradient (a ``Shard(0)`` DTensor): right
+        away with fp32 ``reduce_dtype``, otherwise from :meth:`unscale_and_clip_` or the
+        optimizer step on, until :meth:`zero_grad`."""
         order = self._reduce_order()
         while self._next_launch < len(order):
             self._launch(order[self._next_launch])
@@ -366,20 +373,31 @@ class ZeroSynchronizer:
             if out is None:  # stage 1: the all-reduce future's value is the whole flat buffer
                 value = value[0] if isinstance(value, list) else value
                 out = value.view(self.n, unit.shard_numel)[self.rank]
-            self._set_master_grads(unit, out)
+            unit.grad = out
             unit.reduced = None
             unit.ready = False
             self._free(unit)
         self._next_launch = 0
+        if self.mp.reduce_dtype == torch.float32:
+            self._set_master_grads()  # views of the reduced shards, no copy: nothing to defer
 
-    def _set_master_grads(self, unit: _Unit, shard: torch.Tensor) -> None:
-        for slot in unit.slots:
-            local = slot.master.to_local()
-            grad = shard[slot.offset : slot.offset + local.numel()].view(local.shape)
-            slot.master.grad = DTensor.from_local(
-                grad.to(torch.float32), self.mesh, [Shard(0)], run_check=False, shape=slot.shape,
-                stride=slot.master.stride(),
-            )  # fmt: skip
+    def _set_master_grads(self) -> None:
+        """Give each master without one an fp32 ``.grad`` from its unit's reduced shard (a view
+        if that is fp32, else a copy: the transient fp32 gradient of mixed-precision ZeRO)."""
+        for unit in self.units:
+            if unit.grad is None:
+                continue
+            for slot in unit.slots:
+                if slot.master.grad is None:
+                    slot.master.grad = self._master_grad(slot, unit.grad)
+
+    def _master_grad(self, slot: _Slot, shard: torch.Tensor) -> DTensor:
+        local = slot.master.to_local()
+        grad = shard[slot.offset : slot.offset + local.numel()].view(local.shape)
+        return DTensor.from_local(
+            grad.to(torch.float32), self.mesh, [Shard(0)], run_check=False, shape=slot.shape,
+            stride=slot.master.stride(),
+        )  # fmt: skip
 
     # ----- optimizer step ----------------------------------------------------------------
 
@@ -399,8 +417,9 @@ class ZeroSynchronizer:
         the scale has been lowered) if any rank found inf or nan. Then, if ``max_norm > 0``,
         clip by the global L2 norm: the squares of every rank's shards are summed with one
         all-reduce, and all gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``
-        (the rule of ``torch.nn.utils.clip_grad_norm_``).
+        (the rule of ``torch.nn.utils.clip_grad_norm_``). Works on the masters' fp32 ``.grad``.
         """
+        self._set_master_grads()
         grads = self._local_grads()
         if self.scaler is not None and not self.scaler.unscale_and_check(grads, self.group):
             return False
@@ -415,11 +434,22 @@ class ZeroSynchronizer:
         return True
 
     def zero_grad(self) -> None:
-        """Record the model-state bytes now held (the step's peak), then drop the gradients."""
+        """Record the persistent model-state bytes, then drop the gradients.
+
+        Counted (distinct storages, after the optimizer step): masters and full copies,
+        gradients as held between reduction and step (the reduced gradients in
+        ``reduce_dtype`` and any full ``.grad``), optimizer state. Not counted, as in the
+        paper's and DeepSpeed's accounting: the masters' fp32 ``.grad`` when it is a copy
+        (``reduce_dtype`` not fp32), 4 bytes per local master element alive only from
+        :meth:`unscale_and_clip_` to here.
+        """
         if self.optimizer is not None:
-            measured = model_state_bytes(self.masters(), self.full_params(), self.optimizer)
+            full = self.full_params()
+            grads = [u.grad for u in self.units] + [p.grad for p in full]
+            measured = model_state_bytes(self.masters() + full, grads, self.optimizer)
             self.state_bytes = {k: max(v, self.state_bytes[k]) for k, v in measured.items()}
         for unit in self.units:
+            unit.grad = None
             for slot in unit.slots:
                 slot.master.grad = None
                 slot.full.grad = None
