@@ -27,6 +27,7 @@ from loomtrain.distributed.zero import apply_zero
 from loomtrain.models import Transformer
 from loomtrain.optim import build_optimizer
 from loomtrain.trainer import train_step
+from tests.distributed.test_data_parallel import WithUnused
 
 # vocab 50 and hidden 96 are not divisible by 4 ranks' rows evenly in every case (50 = 4·13 − 2):
 # the uneven-shard padding path is exercised.
@@ -111,16 +112,6 @@ def fp16_overflow_skips_step() -> tuple[bool, float, float, bool]:
 
 
 CKPT_STEPS = 2
-
-
-class WithUnused(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.used = torch.nn.Linear(4, 4)
-        self.unused = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.used(x)
 
 
 def unused_parameter_grads(stage: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -152,7 +152,22 @@ def _make_bucket(index: int, group: list[tuple[str, nn.Parameter]]) -> GradBucke
     return GradBucket(index, buffer, [p for _, p in group], [n for n, _ in group], offsets)
 
 
-class GradientSynchronizer:
+class LocalAccumulation:
+    """``no_sync()`` for gradient synchronizers: inside it, backward accumulates gradients
+    locally and nothing is communicated (all micro-batches of a step but the last)."""
+
+    _sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+
+class GradientSynchronizer(LocalAccumulation):
     """Owns the buckets and hooks that :func:`apply_data_parallel` installs on a module.
 
     Use per optimizer step::
@@ -168,7 +183,6 @@ class GradientSynchronizer:
         self.group = group
         self.hook = hook
         self.buckets = build_buckets(module, bucket_size_bytes)
-        self._sync = True
         self._next_launch = 0
         self._futures: list[torch.futures.Future] = []
         self._warned_unused = False
@@ -177,15 +191,6 @@ class GradientSynchronizer:
             for b in self.buckets
             for i, p in enumerate(b.params)
         ]
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, without communication (all micro-batches but the last)."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _grad_ready_callback(self, bucket: GradBucket, i: int):
         def on_ready(p: nn.Parameter) -> None:

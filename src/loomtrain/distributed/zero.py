@@ -35,10 +35,9 @@ the optimizer needs is a copy made just before the step and dropped by ``zero_gr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, broadcast_module
+from loomtrain.distributed.data_parallel import (
+    AllReduceHook,
+    CommHook,
+    GradBucket,
+    LocalAccumulation,
+    broadcast_module,
+)
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 
 log = logging.getLogger(__name__)
@@ -121,7 +126,7 @@ def model_state_bytes(params, grads, optimizer: torch.optim.Optimizer) -> dict[s
     }
 
 
-class ZeroSynchronizer:
+class ZeroSynchronizer(LocalAccumulation):
     """Shards a module's state over ``mesh`` and drives gathering and gradient reduction.
 
     Same driving protocol as :class:`~loomtrain.distributed.data_parallel.GradientSynchronizer`
@@ -141,7 +146,6 @@ class ZeroSynchronizer:
         self.units = self._build_units(module, blocks)
         self.state_bytes = {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
         self.optimizer: torch.optim.Optimizer | None = None
-        self._sync = True
         self._stale = stage < 3  # stages 1-2: full copies are refreshed at the next forward
         self._next_launch = 0
         self._warned_unused = False
@@ -309,15 +313,6 @@ class ZeroSynchronizer:
             self._launch_ready()
 
     # ----- gradient reduction -----------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate full gradients locally, without communication (all micro-batches but the last)."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _reduce_order(self) -> list[_Unit]:
         # The order in which backward completes units: blocks last to first, then the root.
