@@ -33,17 +33,15 @@ def test_own_jsonl_files_with_bpe_and_bf16_train_and_lower_the_loss(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_nccl_bf16_single_gpu(tmp_path, monkeypatch):
-    """Catches: CPU-only assumptions on the CUDA/NCCL path (device placement, peak FLOP/s table)."""
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_cuda_nccl_bf16_single_gpu(tmp_path, monkeypatch, zero_stage):
+    """Catches: CPU-only assumptions on the CUDA/NCCL path (device placement, peak FLOP/s table,
+    ZeRO's sharded bf16 state)."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    overrides = [
-        *TINY,
-        f"--run.out_dir={tmp_path}",
-        "--training.steps=10",
-        "--training.dtype=bf16",
-        "--run.device=cuda",
-    ]
+    zero = [f"--data_parallel.zero_stage={zero_stage}"] + (["--data_parallel.param_dtype=bf16"] if zero_stage else [])
+    overrides = [*TINY, f"--run.out_dir={tmp_path}", "--training.steps=10", "--training.dtype=bf16",
+                 "--run.device=cuda", *zero]  # fmt: skip
     summary = run_train(overrides)
     import torch.distributed as dist
 
