@@ -167,7 +167,7 @@ def train_step(
     for i, (x, y) in enumerate(micro_batches):
         with sync.no_sync() if i < last else contextlib.nullcontext():
             loss = micro_batch_loss(model, x, y, cfg, device)
-            ((loss * scale if scale != 1.0 else loss) / len(micro_batches)).backward()
+            (loss * scale / len(micro_batches)).backward()
         total += loss.item()
     sync.finish_gradient_sync()
     if zero:
@@ -399,9 +399,12 @@ class Trainer:
             self._save()
         self.ckpt.finalize()
         self.events("preempted", step=self.step, checkpoint=f"step_{self.step:08d}")
+        self._close_records()
+        return {"final_step": self.step, "start_step": self.start_step, "preempted": True}
+
+    def _close_records(self) -> None:
         self.metrics.close()
         self.samples.close()
-        return {"final_step": self.step, "start_step": self.start_step, "preempted": True}
 
     def _log_step(self, local_loss: float, eval_now: bool, val_loss: float | None) -> tuple[float, float | None]:
         loss = mean_over_ranks(local_loss, self.device, self.dims.dp_group)
@@ -433,8 +436,7 @@ class Trainer:
         }
         if self._scaler is not None:
             summary["loss_scale"] = self._scaler.scale
-        self.metrics.close()
-        self.samples.close()
+        self._close_records()
         self.sync.remove()
         if self.rank0:
             (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
