@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
+# Extra overrides for `make train`, e.g. ARGS="--parallel.tensor_parallel_degree=2".
+ARGS ?=
 
 .PHONY: venv train test test-all bench lint clean
 
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/loomtrain train --config configs/shakespeare_char.toml --nproc $(NPROC) --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/loomtrain train --config configs/shakespeare_char.toml --nproc $(NPROC) --overwrite $(ARGS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
@@ -28,6 +30,8 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_dp.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_zero.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_compression.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_tp.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

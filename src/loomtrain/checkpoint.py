@@ -4,7 +4,7 @@ Layout under ``<run>/checkpoints/``::
 
     step_00000500/            a complete checkpoint
         .metadata, __0_0.distcp, ...   DCP files (model, optimizer, step, data position)
-        rank_00000.pt, ...             per-rank state (RNG) that is not replicated
+        rank_00000.pt, ...             per-rank state that is not replicated (RNG, TrainState.rank_state)
         manifest.json                  step, world size, size and SHA-256 of every file; written last
     step_00001000.partial/    being written, or left by a crash: never loaded
 
@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,11 +43,14 @@ MANIFEST = "manifest.json"
 class TrainState:
     """What a resumed run needs besides model and optimizer: the optimizer step count, the
     data loader position (a plain dict of ints) and other small JSON-able state the same on
-    every rank (``extra``, e.g. the fp16 loss scaler)."""
+    every rank (``extra``, e.g. the fp16 loss scaler). ``rank_state`` is this rank's own state
+    (tensors allowed, e.g. a communication hook's error-feedback residuals), saved beside the
+    RNG in ``rank_XXXXX.pt`` and given back only at the same world size (else empty)."""
 
     step: int
     loader: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    rank_state: dict[str, Any] = field(default_factory=dict)
 
 
 def _sha256(path: Path) -> str:
@@ -122,6 +125,15 @@ def find_latest_checkpoint(directory: Path, warn: bool = True) -> Path | None:
     return None
 
 
+class StateDictSharding(Protocol):
+    """Views plain per-rank shards in state dicts as DTensors and back (see
+    ``ParallelModel.wrap_state_dicts`` for tensor parallelism)."""
+
+    def wrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None: ...
+
+    def unwrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None: ...
+
+
 class CheckpointManager:
     """Saves and loads training state with DCP. All ranks call :meth:`save` and :meth:`load`.
 
@@ -142,8 +154,18 @@ class CheckpointManager:
         # own keeps them from interleaving with training's collectives on the default group.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        sharding: StateDictSharding | None = None,
+    ) -> Path:
         """Write checkpoint ``step_<step>`` atomically; returns its final path.
+
+        ``sharding`` turns plain local shards (tensor parallelism) into DTensors, so DCP
+        writes full tensors that load at any degree.
 
         With ``async_save`` the tensors are staged to host memory and written in the
         background (``dcp.async_save``); the checkpoint becomes complete (manifest, rename) at
@@ -159,11 +181,13 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        if sharding is not None:
+            sharding.wrap_state_dicts(model_sd, optim_sd)
         # The small training state travels as one JSON string: DCP stores a non-tensor leaf
         # whole, whereas a nested dict would need a template with the same keys to load into.
         train = json.dumps({"step": state.step, "loader": state.loader, "extra": state.extra})
         app = {"model": model_sd, "optim": optim_sd, "train": train}
-        torch.save(_rng_state(), tmp / f"rank_{rank:05d}.pt")
+        torch.save({"rng": _rng_state(), "rank_state": state.rank_state}, tmp / f"rank_{rank:05d}.pt")
         if self._async_group is None:
             dcp.save(app, checkpoint_id=tmp)
             self._pending = (None, tmp, final, step)
@@ -228,20 +252,44 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {choice[0]}")
         return choice[0]
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    def load(
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sharding: StateDictSharding | None = None,
+    ) -> TrainState:
         """Load ``path`` into ``model`` and ``optimizer`` in place (resharding as DCP does);
-        restore this rank's RNG if the checkpoint was written at the same world size."""
+        restore this rank's RNG and ``rank_state`` if the checkpoint was written at the same
+        world size and layout (else a warning). ``sharding``: as for :meth:`save`."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         _check_same_keys(path, model_sd)
+        if sharding is not None:
+            sharding.wrap_state_dicts(model_sd, optim_sd)
         app = {"model": model_sd, "optim": optim_sd, "train": ""}
         dcp.load(app, checkpoint_id=path)
+        if sharding is not None:
+            sharding.unwrap_state_dicts(app["model"], app["optim"])
         set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
         rng_file = path / f"rank_{dist.get_rank():05d}.pt"
         manifest = read_manifest(path)
-        if manifest["world_size"] == dist.get_world_size() and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+        rank_state: dict[str, Any] = {}
+        # Rank r's own state means the same thing only if rank r has the same place in the same layout.
+        same_layout = manifest["world_size"] == dist.get_world_size() and manifest.get("layout") == self.layout
+        if same_layout and rng_file.is_file():
+            saved = torch.load(rng_file, weights_only=True)
+            _set_rng_state(saved["rng"])
+            rank_state = saved["rank_state"]
+        elif not same_layout and dist.get_rank() == 0:
+            log.warning(
+                "checkpoint %s was written by %d ranks with layout %s, this run has %d with %s: per-rank state "
+                "(RNG, error-feedback residuals) starts afresh",
+                path, manifest["world_size"], manifest.get("layout"), dist.get_world_size(), self.layout,
+            )  # fmt: skip
         train = json.loads(app["train"])
-        return TrainState(step=int(train["step"]), loader=train["loader"], extra=train.get("extra", {}))
+        return TrainState(
+            step=int(train["step"]), loader=train["loader"], extra=train.get("extra", {}), rank_state=rank_state
+        )
 
 
 def _check_same_keys(path: Path, model_sd: dict) -> None:

@@ -177,16 +177,60 @@ class DataParallelConfig(_Section):
 
 class ParallelConfig(_Section):
     """Parallel degrees; their product is the world size. ``data_parallel_degree=-1`` means
-    whatever the others leave: world size / (tensor × sequence)."""
+    whatever the others leave: world size / (tensor × sequence).
+
+    ``tensor_parallel_degree``: Megatron tensor parallelism (heads and MLP columns split).
+    ``tp_mode="sequence_parallel"`` adds Megatron sequence parallelism on the same ranks (norms
+    and residuals hold a slice of the sequence). ``sequence_parallel_degree``: DeepSpeed-Ulysses
+    (each rank holds a slice of the sequence; attention runs head-split after an all-to-all).
+    See docs/tensor_parallel.md.
+    """
 
     data_parallel_degree: int = Field(-1, ge=-1)
     tensor_parallel_degree: int = Field(1, ge=1)
     sequence_parallel_degree: int = Field(1, ge=1)
+    tp_mode: Literal["tensor_parallel", "sequence_parallel"] = "tensor_parallel"
 
     @model_validator(mode="after")
     def _dp_not_zero(self) -> ParallelConfig:
         if self.data_parallel_degree == 0:
             raise ValueError("parallel.data_parallel_degree=0; use a positive degree or -1 for the rest")
+        return self
+
+
+class CompressionConfig(_Section):
+    """Gradient compression in the data-parallel reduction (docs/compression.md).
+
+    ``method``: ``none`` (the plain ``data_parallel.comm_hook``), ``fp16``/``bf16`` (cast),
+    ``int8`` (one scale per ``chunk_size`` elements), ``sign`` (1 bit, one scale per
+    ``chunk_size``), ``topk`` (the ``topk_ratio`` largest entries of each tensor; Lin et al.,
+    ICLR 2018) or ``powersgd`` (rank ``powersgd_rank``; Vogels et al., NeurIPS 2019). All but
+    the casts keep error-feedback residuals (checkpointed per rank). ``topk`` and ``powersgd``
+    send tensors of fewer than ``min_compress_numel`` elements whole. ``warmup_steps``: steps
+    reduced uncompressed first. ``momentum_correction``: DGC's momentum factor for ``topk``
+    (0 = off; use plain SGD then).
+    """
+
+    method: Literal["none", "fp16", "bf16", "int8", "sign", "topk", "powersgd"] = "none"
+    topk_ratio: float = Field(0.01, gt=0, le=1)
+    powersgd_rank: int = Field(4, ge=1)
+    chunk_size: int = Field(1024, ge=1)
+    min_compress_numel: int = Field(1024, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    momentum_correction: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _options_fit_method(self) -> CompressionConfig:
+        if self.momentum_correction and self.method != "topk":
+            raise ValueError(
+                f"compression.momentum_correction={self.momentum_correction} only applies to "
+                f"compression.method='topk' (got {self.method!r}); set it to 0"
+            )
+        if self.warmup_steps and self.method in ("none", "fp16", "bf16"):
+            raise ValueError(
+                f"compression.warmup_steps={self.warmup_steps} only applies to the error-feedback methods "
+                f"(int8, sign, topk, powersgd), not compression.method={self.method!r}; set it to 0"
+            )
         return self
 
 
@@ -236,6 +280,7 @@ class Config(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -248,6 +293,39 @@ class Config(_Section):
                 f"training.seq_len={self.training.seq_len} is longer than the model supports "
                 f"(model.max_seq_len={self.model.max_seq_len}); "
                 "lower training.seq_len or raise model.max_seq_len"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shapes_split(self) -> Config:
+        """Shapes that tensor and sequence parallelism must divide (vocabulary and MLP width
+        may split unevenly; heads and sequence positions may not)."""
+        tp, sp, m = self.parallel.tensor_parallel_degree, self.parallel.sequence_parallel_degree, self.model
+        for field, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads)):
+            if value % tp:
+                raise ValueError(
+                    f"model.{field}={value} is not divisible by parallel.tensor_parallel_degree={tp}; "
+                    "each tensor-parallel rank needs whole attention heads"
+                )
+        if m.n_heads // tp < sp:
+            raise ValueError(
+                f"model.n_heads={m.n_heads} leaves {m.n_heads // tp} head(s) per tensor-parallel rank, fewer than "
+                f"parallel.sequence_parallel_degree={sp}; Ulysses gives each rank whole heads"
+            )
+        dp = self.data_parallel
+        megatron_sp = tp > 1 and self.parallel.tp_mode == "sequence_parallel"
+        if megatron_sp and (dp.zero_stage == 3 or dp.param_dtype != "fp32"):
+            raise ValueError(
+                f"parallel.tp_mode='sequence_parallel' with data_parallel.zero_stage={dp.zero_stage} and "
+                f"param_dtype={dp.param_dtype!r} is not supported yet (the norm weights' gradient sum over tp is "
+                "lost when ZeRO replaces the compute parameters); use zero_stage <= 2 with param_dtype='fp32', "
+                "or tp_mode='tensor_parallel'"
+            )
+        split = sp * (tp if self.parallel.tp_mode == "sequence_parallel" else 1)
+        if self.training.seq_len % split:
+            raise ValueError(
+                f"training.seq_len={self.training.seq_len} is not divisible by "
+                f"{_seq_split_name(self.parallel)}={split}; each rank holds an equal slice of the sequence"
             )
         return self
 
@@ -286,6 +364,13 @@ class Config(_Section):
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
+
+
+def _seq_split_name(p: ParallelConfig) -> str:
+    names = ["parallel.sequence_parallel_degree"] if p.sequence_parallel_degree > 1 else []
+    if p.tp_mode == "sequence_parallel":
+        names.append("parallel.tensor_parallel_degree (tp_mode='sequence_parallel')")
+    return " × ".join(names) or "1"
 
 
 def _toml_value(value: Any) -> str:

@@ -14,15 +14,16 @@ import shutil
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from loomtrain.checkpoint import CheckpointManager, TrainState, read_manifest
+from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import (
     DistributedBatchLoader,
@@ -33,14 +34,13 @@ from loomtrain.data import (
     load_corpus,
     load_tokenizer,
 )
-from loomtrain.distributed.data_parallel import COMM_HOOKS, GradientSynchronizer, apply_data_parallel
-from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import ParallelDims
-from loomtrain.distributed.zero import ZeroSynchronizer, apply_zero, model_state_bytes
+from loomtrain.distributed.zero import ZeroSynchronizer, model_state_bytes
 from loomtrain.generation import sample
 from loomtrain.hardware import mfu, peak_flops_per_s
 from loomtrain.metrics import EventLog, MetricsProcessor, SampleRecorder, last_logged_step, peak_memory_bytes
 from loomtrain.models import Transformer, count_params, flops_per_token
+from loomtrain.models.parallelize import ParallelModel, parallelize_llama
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.preflight import check_launch
 
@@ -143,16 +143,14 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.dtype == "bf16")
 
 
-def micro_batch_loss(model, x: torch.Tensor, y: torch.Tensor, cfg: Config, device: torch.device) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) of one micro-batch; x, y: [micro_batch, seq_len]."""
+def micro_batch_loss(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor, cfg: Config, device) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of this rank's tokens of one micro-batch;
+    x, y: [micro_batch, seq_len]."""
     with autocast(cfg, device):
-        logits = model(x.to(device))
-    return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
+        return pm.loss(x.to(device), y.to(device))
 
 
-def train_step(
-    model, sync: GradientSynchronizer | ZeroSynchronizer, optimizer, micro_batches, cfg: Config, device
-) -> float:
+def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device) -> float:
     """One optimizer step over this rank's micro-batches; returns the rank's mean loss.
 
     Only the last micro-batch's backward communicates (the others run under ``no_sync``),
@@ -160,13 +158,14 @@ def train_step(
     is multiplied by the fp16 loss scale (1 otherwise) and the synchronizer unscales and clips
     its gradient shards; a step with inf/nan gradients is skipped.
     """
+    sync = pm.sync
     zero = isinstance(sync, ZeroSynchronizer)
     scale = sync.loss_scale if zero else 1.0
     total = 0.0
     last = len(micro_batches) - 1
     for i, (x, y) in enumerate(micro_batches):
         with sync.no_sync() if i < last else contextlib.nullcontext():
-            loss = micro_batch_loss(model, x, y, cfg, device)
+            loss = micro_batch_loss(pm, x, y, cfg, device)
             (loss * scale / len(micro_batches)).backward()
         total += loss.item()
     sync.finish_gradient_sync()
@@ -175,7 +174,7 @@ def train_step(
     else:
         step_ok = True
         if cfg.training.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
+            pm.clip_grad_norm_(cfg.training.grad_clip)
     if step_ok:
         optimizer.step()
     sync.zero_grad()
@@ -189,10 +188,11 @@ def mean_over_ranks(value: float, device: torch.device, group=None) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, data: Data, cfg: Config, dims: ParallelDims, device) -> float:
-    """Validation loss (nats/token) over ``training.eval_batches`` micro-batches per rank,
-    averaged over ranks."""
-    model.eval()
+def evaluate(pm: ParallelModel, data: Data, cfg: Config, device) -> float:
+    """Validation loss (nats/token) over ``training.eval_batches`` micro-batches per ``dp``
+    rank, averaged over ranks."""
+    dims = pm.dims
+    pm.model.eval()
     batches = eval_batches(
         data.val,
         cfg.training.seq_len,
@@ -201,9 +201,9 @@ def evaluate(model, data: Data, cfg: Config, dims: ParallelDims, device) -> floa
         dims.dp_rank,
         dims.dp,
     )
-    local = sum(micro_batch_loss(model, x, y, cfg, device).item() for x, y in batches) / len(batches)
-    model.train()
-    return mean_over_ranks(local, device, dims.dp_group)
+    local = sum(micro_batch_loss(pm, x, y, cfg, device).item() for x, y in batches) / len(batches)
+    pm.model.train()
+    return mean_over_ranks(local, device, dims.grad_mesh.get_group())
 
 
 class Throughput:
@@ -298,16 +298,11 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(cfg.run.seed)
         self.model = Transformer(cfg.model).to(self.device)
+        self.n_params = count_params(self.model)  # counted whole, before sharding
         dp = cfg.data_parallel
-        hook = COMM_HOOKS[dp.comm_hook]()
-        if dp.zero_stage == 0:
-            self.sync = apply_data_parallel(self.model, self.dims.dp_group, dp.bucket_size_mb, hook)
-        else:
-            mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
-            scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
-            self.sync = apply_zero(
-                self.model, self.dims.mesh["dp"], dp.zero_stage, mp, hook, scaler if dp.param_dtype == "fp16" else None
-            )
+        hook = build_comm_hook(cfg.compression, dp.comm_hook)
+        self.pm = parallelize_llama(self.model, self.dims, cfg, hook)
+        self.sync = self.pm.sync
         self.optimizer = build_optimizer(self.model, t)
         if dp.zero_stage > 0:
             self.sync.attach_optimizer(self.optimizer)
@@ -328,9 +323,11 @@ class Trainer:
             self.events("restart", attempt=attempt)
         if self.resumed_from is None:
             return
-        state = self.ckpt.load(self.resumed_from, self.model, self.optimizer)
+        state = self.ckpt.load(self.resumed_from, self.model, self.optimizer, self.pm)
         self.step = self.start_step = state.step
         self.loader.load_state_dict(state.loader)
+        if "comm_hook" in state.rank_state:  # absent after a world-size change: residuals restart at zero
+            self.sync.hook.load_state_dict(state.rank_state["comm_hook"])
         if self._scaler is not None and "loss_scaler" in state.extra:
             self._scaler.load_state_dict(state.extra["loss_scaler"])
         saved_world = read_manifest(self.resumed_from)["world_size"]
@@ -351,9 +348,10 @@ class Trainer:
         fpt = flops_per_token(cfg.model, t.seq_len)
         world = self.dims.world_size
         # Every device shares the step's FLOPs equally, whatever the mix of dp, sp and tp.
+        self.train_traffic: Counter[str] = Counter()
         self.speed = Throughput(t.global_batch_size * t.seq_len // world, fpt, peak, world)
         self.metrics.message(
-            f"loomtrain: {count_params(self.model):,} parameters, world size {world} "
+            f"loomtrain: {self.n_params:,} parameters, world size {world} "
             f"(dp {self.dims.dp}, sp {self.dims.sp}, tp {self.dims.tp}), "
             f"{cfg.grad_accum_steps(self.dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
             f"{fpt / 1e6:.2f} MFLOP/token, device peak {peak / 1e9:.1f} GFLOP/s"
@@ -366,9 +364,11 @@ class Trainer:
         while self.step < t.steps:
             set_lr(self.optimizer, lr_at(self.step, t))
             micro_batches = self.loader.next_step()
-            start = time.perf_counter()
-            loss = train_step(self.model, self.sync, self.optimizer, micro_batches, self.cfg, self.device)
+            start, sent = time.perf_counter(), self.pm.traffic.snapshot()
+            loss = train_step(self.pm, self.optimizer, micro_batches, self.cfg, self.device)
             self.speed.add(time.perf_counter() - start)
+            for axis, nbytes in self.pm.traffic.snapshot().items():
+                self.train_traffic[axis] += nbytes - sent.get(axis, 0)
             self.step += 1
             self.metrics.advance()
             eval_now = self.step % t.eval_interval == 0 or self.step == t.steps
@@ -382,7 +382,7 @@ class Trainer:
                 return self._stop_for_preemption()
         self.ckpt.finalize()
         if val_loss is None:
-            val_loss = evaluate(self.model, self.data, self.cfg, self.dims, self.device)
+            val_loss = evaluate(self.pm, self.data, self.cfg, self.device)
         return self._finish(loss, val_loss)
 
     @property
@@ -391,7 +391,9 @@ class Trainer:
 
     def _save(self) -> None:
         extra = {} if self._scaler is None else {"loss_scaler": self._scaler.state_dict()}
-        self.ckpt.save(self.step, self.model, self.optimizer, TrainState(self.step, self.loader.state_dict(), extra))
+        rank_state = {"comm_hook": self.sync.hook.state_dict()}
+        train_state = TrainState(self.step, self.loader.state_dict(), extra, rank_state)
+        self.ckpt.save(self.step, self.model, self.optimizer, train_state, self.pm)
 
     def _stop_for_preemption(self) -> dict:
         """All ranks agreed a SIGTERM arrived: checkpoint this step (unless just done), stop."""
@@ -407,10 +409,11 @@ class Trainer:
         self.samples.close()
 
     def _log_step(self, local_loss: float, eval_now: bool, val_loss: float | None) -> tuple[float, float | None]:
-        loss = mean_over_ranks(local_loss, self.device, self.dims.dp_group)
+        loss = mean_over_ranks(local_loss, self.device, self.dims.grad_mesh.get_group())
         record = {"loss": loss, "lr": lr_at(self.step - 1, self.cfg.training), **self.speed.report()}
+        record.update({f"comm_bytes_{axis}": v for axis, v in self._comm_bytes_per_step().items()})
         if eval_now:
-            val_loss = record["val_loss"] = evaluate(self.model, self.data, self.cfg, self.dims, self.device)
+            val_loss = record["val_loss"] = evaluate(self.pm, self.data, self.cfg, self.device)
             self.metrics.message(f"step {self.step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
         self.metrics.log(self.step, record)
         return loss, val_loss
@@ -428,20 +431,31 @@ class Trainer:
             "wall_s": time.perf_counter() - self.wall_start,
             "world_size": dist.get_world_size(),
             "peak_memory_bytes": int(peak_mem.item()),
-            "n_params": count_params(self.model),
+            "n_params": self.n_params,
             "flops_per_token": self.speed.flops_per_token,
             "peak_flops_per_s": self.speed.peak,
             "comm_bytes_per_step": self.sync.hook.bytes_sent / max(1, self.speed.total[0]),
+            "compression_ratio": self.sync.hook.bytes_sent / max(1, self.sync.hook.dense_bytes),
+            "comm_bytes_per_step_by_axis": self._comm_bytes_per_step(),
             **self._model_state_bytes(),
         }
         if self._scaler is not None:
             summary["loss_scale"] = self._scaler.scale
         self._close_records()
         self.sync.remove()
+        full_model = self.pm.full_model()
         if self.rank0:
             (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            self._print_end(summary)
+            self._print_end(summary, full_model)
         return summary
+
+    def _comm_bytes_per_step(self) -> dict[str, float]:
+        """Bytes this rank sent per training step, per mesh axis: ``dp`` (gradient reduction over
+        the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations). Evaluation
+        forwards are not counted."""
+        steps = max(1, self.speed.total[0])
+        sent = {"dp": self.sync.hook.bytes_sent, **self.train_traffic}
+        return {axis: nbytes / steps for axis, nbytes in sent.items()}
 
     def _model_state_bytes(self) -> dict[str, int]:
         """This rank's ``param_bytes``, ``grad_bytes``, ``optim_bytes`` (held storage; for ZeRO
@@ -451,11 +465,11 @@ class Trainer:
         params = list(self.model.parameters())
         return model_state_bytes(params, [p.grad for p in params], self.optimizer)
 
-    def _print_end(self, summary: dict) -> None:
+    def _print_end(self, summary: dict, model: Transformer) -> None:
         s = self.cfg.sample
         if s.max_new_tokens > 0:
             text = sample(
-                self.model, self.data.tokenizer, s.prompt, s.max_new_tokens, self.cfg.model.max_seq_len,
+                model, self.data.tokenizer, s.prompt, s.max_new_tokens, self.cfg.model.max_seq_len,
                 s.temperature, s.top_k, self.cfg.run.seed,
             )  # fmt: skip
             print(f"\n--- sample ({s.max_new_tokens} tokens) ---\n{text}\n---")

@@ -22,9 +22,12 @@ from loomtrain.checkpoint import CheckpointManager, TrainState
 from loomtrain.config import Config, ConfigError, ModelConfig, TrainingConfig, load_config
 from loomtrain.distributed.data_parallel import apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
+from loomtrain.distributed.parallel_dims import ParallelDims
 from loomtrain.distributed.spawn import spawn
+from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.models import Transformer
+from loomtrain.models.parallelize import ParallelModel
 from loomtrain.optim import build_optimizer
 from loomtrain.trainer import train_step
 from tests.distributed.test_data_parallel import WithUnused
@@ -63,6 +66,12 @@ def build(stage: int, mp: MixedPrecision | None = None, scaler: DynamicLossScale
     return model, apply_zero(model, mesh["dp"], stage, mp, scaler=scaler)
 
 
+def run_step(model, sync, opt, batches, cfg: Config) -> float:
+    """One training step of the trainer's own ``train_step`` on a data-parallel-only layout."""
+    dims = ParallelDims(dp=dist.get_world_size(), world_size=dist.get_world_size())
+    return train_step(ParallelModel(model, sync, dims, {}, Traffic()), opt, batches, cfg, CPU)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -74,7 +83,7 @@ def sgd_run(stage: int, world: int, mp: MixedPrecision | None = None) -> dict[st
         sync.attach_optimizer(opt)
     cfg = config(grad_clip=0.05)  # small enough that clipping is active on every step
     for step in range(STEPS):
-        train_step(model, sync, opt, micro_batches(step, world, ACCUM), cfg, CPU)
+        run_step(model, sync, opt, micro_batches(step, world, ACCUM), cfg)
     return {n: full(p) for n, p in model.named_parameters()}
 
 
@@ -87,7 +96,7 @@ def adam_state_bytes(stage: int, precision: tuple[str, str]) -> dict[str, int]:
     model, sync = build(stage, mp)
     opt = build_optimizer(model, config(1.0).training)
     sync.attach_optimizer(opt)
-    train_step(model, sync, opt, micro_batches(0, dist.get_world_size(), 1), config(1.0), CPU)
+    run_step(model, sync, opt, micro_batches(0, dist.get_world_size(), 1), config(1.0))
     return sync.state_bytes
 
 
@@ -265,7 +274,7 @@ def adam_setup(stage: int):
 
 def global_step_loss(model, sync, opt, step: int) -> float:
     world = dist.get_world_size()
-    local = train_step(model, sync, opt, micro_batches(step, world, 1), config(1.0), CPU)
+    local = run_step(model, sync, opt, micro_batches(step, world, 1), config(1.0))
     t = torch.tensor([local], dtype=torch.float64)
     dist.all_reduce(t)
     return t.item() / world

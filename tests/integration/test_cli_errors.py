@@ -53,6 +53,15 @@ CASES = {
     "nccl_without_gpu": (["--distributed.backend=nccl"], ["distributed.backend='nccl'", "gloo"]),
     "lr_schedule_rises": (["--training.min_lr=0.01"], ["training.min_lr=0.01", "training.lr=0.001"]),
     "explicit_resume_not_a_checkpoint": (["--resume", "."], ["checkpoint.resume='.'", "no manifest"]),
+    "heads_not_divisible_by_tp": (["--parallel.tensor_parallel_degree=3"], ["model.n_heads=4", "degree=3"]),
+    "seq_not_divisible_by_sp": (
+        ["--parallel.sequence_parallel_degree=3", "--training.seq_len=32"],
+        ["training.seq_len=32", "parallel.sequence_parallel_degree=3"],
+    ),
+    "world_not_divisible_by_tp": (
+        ["--nproc", "3", "--parallel.tensor_parallel_degree=2"],
+        ["world size 3", "tensor_parallel_degree=2"],
+    ),
 }
 
 

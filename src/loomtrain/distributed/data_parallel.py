@@ -39,6 +39,11 @@ class GradBucket:
         params: the parameters whose gradients live in ``buffer``.
         names: their qualified names, for error messages.
         offsets: element offset of each parameter's gradient in ``buffer``.
+        matrices: each gradient as a view of ``buffer`` whose leading dimensions flatten to
+            the rows of a matrix and whose last one holds its columns, for hooks that compress
+            per matrix (PowerSGD). Derived from ``params`` as ``[dim0, numel/dim0]`` when not
+            given; ZeRO, whose buffers have no ``params``, passes ``[n, rows, row_numel]``
+            views of its rank-major layout.
     """
 
     index: int
@@ -47,6 +52,7 @@ class GradBucket:
     names: list[str]
     offsets: list[int]
     ready: set[int] = field(default_factory=set)
+    matrices: list[torch.Tensor] = field(default_factory=list)
     views: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +60,8 @@ class GradBucket:
         self.views = [
             self.buffer[off : off + p.numel()].view_as(p) for off, p in zip(self.offsets, self.params, strict=True)
         ]
+        if not self.matrices:
+            self.matrices = [v.view(v.shape[0] if v.dim() else 1, -1) for v in self.views]
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient inside ``buffer``, shaped like the parameter."""
@@ -70,31 +78,49 @@ class CommHook(ABC):
     Subclasses implement :meth:`reduce` (and may override :meth:`reduce_scatter`, which ZeRO
     stages 2 and 3 call instead). A hook may keep state (error-feedback residuals,
     for instance); :meth:`state_dict`/:meth:`load_state_dict` carry it into checkpoints.
-    ``bytes_sent`` counts the bytes this rank put on the wire, summed over calls.
+    ``bytes_sent`` counts the bytes this rank put on the wire, summed over calls;
+    ``dense_bytes`` what the uncompressed all-reduce (or reduce-scatter) of the same buffers
+    would have sent, so ``bytes_sent / dense_bytes`` is the compression ratio.
+    The synchronizers call :meth:`on_step_end` once per optimizer step, after every reduction
+    of the step has finished; ``steps`` counts those calls (compressors warm up on it).
     """
 
     def __init__(self) -> None:
         self.bytes_sent = 0
+        self.dense_bytes = 0
+        self.steps = 0
 
     @abstractmethod
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
         """Start the reduction of ``bucket.buffer``; the future's value is the averaged
         gradient shaped like ``bucket.buffer`` (it may be the buffer itself), as a tensor or a
-        one-element list of it (what a collective's own future holds)."""
+        one-element list of it (what a collective's own future holds). Any handle whose
+        ``wait()`` returns that value will do (compressing hooks finish decoding in ``wait``)."""
 
-    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    def reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup, bucket: GradBucket | None = None
+    ) -> dist.Work:
         """Start the averaged reduce-scatter used by ZeRO stages 2 and 3 (see ``zero.py``).
 
         ``flat`` is 1-D with ``n·k`` elements for ``n`` ranks, rank ``r``'s part being
-        ``flat[r·k:(r+1)·k]``; ``out`` has ``k`` elements. Returns a handle with ``wait()``
-        (a collective's ``Work``; gloo's reduce-scatter has no future); once it returns,
-        ``out`` holds this rank's averaged part. The default divides by ``n`` (in place) and
-        runs a sum reduce-scatter; ``bytes_sent`` grows by the ring volume (n−1)/n of ``flat``.
+        ``flat[r·k:(r+1)·k]``; ``out`` has ``k`` elements; ``bucket`` wraps ``flat`` with its
+        index and per-parameter ``matrices`` (for hooks that keep state per bucket). Returns a
+        handle with ``wait()`` (a collective's ``Work``; gloo's reduce-scatter has no future);
+        once it returns, ``out`` holds this rank's averaged part. The default divides by ``n``
+        (in place) and runs a sum reduce-scatter; ``bytes_sent`` grows by the ring volume
+        (n−1)/n of ``flat``.
         """
+        del bucket
         n = dist.get_world_size(group)
         flat.div_(n)
-        self.bytes_sent += int((n - 1) / n * flat.numel() * flat.element_size())
+        nbytes = int((n - 1) / n * flat.numel() * flat.element_size())
+        self.bytes_sent += nbytes
+        self.dense_bytes += nbytes
         return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
+
+    def on_step_end(self) -> None:
+        """Called once per optimizer step, after all of its reductions finished."""
+        self.steps += 1
 
     def state_dict(self) -> dict:
         return {}
@@ -113,7 +139,9 @@ class AllReduceHook(CommHook):
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
         n = dist.get_world_size(group)
         bucket.buffer.div_(n)
-        self.bytes_sent += int(2 * (n - 1) / n * bucket.nbytes)
+        nbytes = int(2 * (n - 1) / n * bucket.nbytes)
+        self.bytes_sent += nbytes
+        self.dense_bytes += nbytes
         # The collective's own future (value: [buffer]); chaining a Python callback with
         # .then() would run it on the communication thread, contending for the GIL with backward.
         return dist.all_reduce(bucket.buffer, group=group, async_op=True).get_future()
@@ -245,6 +273,7 @@ class GradientSynchronizer(LocalAccumulation):
             bucket.ready.clear()
         self._futures.clear()
         self._next_launch = 0
+        self.hook.on_step_end()
 
     def _adopt_missing(self, bucket: GradBucket) -> None:
         missing = [i for i in range(len(bucket.params)) if i not in bucket.ready]

@@ -53,15 +53,18 @@ class DynamicLossScaler:
         self.good_steps = 0
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: list[torch.Tensor], group: dist.ProcessGroup) -> bool:
+    def unscale_and_check(self, grads: list[torch.Tensor], *groups: dist.ProcessGroup) -> bool:
         """Divide ``grads`` (this rank's shards) by the scale in place, update the scale, and
-        return ``True`` when the optimizer may step (no rank found inf or nan)."""
+        return ``True`` when the optimizer may step (no rank found inf or nan). The verdict is
+        agreed over ``groups`` in turn (e.g. the data-parallel, then the tensor-parallel group),
+        so it covers every rank of their product."""
         found = torch.zeros(1, device=grads[0].device if grads else "cpu")
         for g in grads:
             g.mul_(1.0 / self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
         # Each rank holds different shards: one rank's overflow must skip the step everywhere.
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        for group in groups:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         ok = found.item() == 0
         if not ok:
             self.scale *= self.backoff

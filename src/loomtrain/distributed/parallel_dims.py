@@ -11,7 +11,10 @@ one node, the fastest links):
 - ``tp``: tensor parallel (Shoeybi et al. 2019, Megatron-LM): weight matrices split across
   ranks; Megatron sequence parallelism (Korthikanti et al. 2022) runs on this axis too.
 
-Pipeline parallelism will add a ``pp`` axis outermost.
+The ``sp`` ranks of one ``dp`` index hold the same parameters and different tokens, so
+gradients are reduced, and ZeRO shards model state, over ``dp`` and ``sp`` together: the
+flattened ``dp_sp`` axis (:attr:`ParallelDims.grad_mesh`). Pipeline parallelism will add a
+``pp`` axis outermost.
 """
 
 from __future__ import annotations
@@ -87,6 +90,36 @@ class ParallelDims:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.group("dp")
+
+    @cached_property
+    def grad_mesh(self) -> DeviceMesh:
+        """1-D mesh over the ``dp`` and ``sp`` axes together: the ranks that hold the same
+        parameters (same ``tp`` coordinate) and see different tokens. Gradients are averaged,
+        and ZeRO shards model state, over it."""
+        return self.mesh["dp", "sp"]._flatten("dp_sp")
+
+    @cached_property
+    def grad_tp_mesh(self) -> DeviceMesh:
+        """2-D mesh ``(dp_sp, tp)``: where ZeRO places a tensor-parallel shard's own shards."""
+        _ = self.grad_mesh  # the flattened dp_sp axis must exist before it can be sliced
+        return self.mesh["dp_sp", "tp"]
+
+    def sequence_slice(self, seq_len: int) -> slice:
+        """Positions ``[r·S/sp, (r+1)·S/sp)`` of a length-``seq_len`` sequence that this rank's
+        ``sp`` coordinate ``r`` holds (all of them when ``sp == 1``).
+
+        Raises:
+            ConfigError: ``seq_len`` not divisible by ``sp``.
+        """
+        if self.sp == 1:
+            return slice(0, seq_len)
+        if seq_len % self.sp:
+            raise ConfigError(
+                f"sequence length {seq_len} is not divisible by parallel.sequence_parallel_degree={self.sp}"
+            )
+        part = seq_len // self.sp
+        start = self.rank("sp") * part
+        return slice(start, start + part)
 
     @property
     def dp_rank(self) -> int:

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from loomtrain.distributed.data_parallel import (
     AllReduceHook,
@@ -56,6 +57,36 @@ from loomtrain.distributed.data_parallel import (
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """Parameters that tensor parallelism has already split, for ZeRO to shard further.
+
+    Attributes:
+        mesh: 2-D mesh ``(dp, tp)``: ZeRO's ranks, then the tensor-parallel ranks.
+        shards: ``{parameter name: (dim split over tp, full shape)}``; others are replicated over tp.
+
+    A master then covers rows ``[r·c, (r+1)·c)`` of this rank's tensor-parallel shard, which is
+    itself a block of the full tensor; the DTensor records both levels (for a shard split along
+    dim 0 too, a ``_StridedShard`` over dp: its rows lie inside the tp block), so DCP saves
+    the full tensor and reshards it to any dp and tp degrees.
+    """
+
+    mesh: DeviceMesh
+    shards: dict[str, tuple[int, torch.Size]]
+
+    def placement(self, name: str, local_shape: torch.Size) -> tuple[list, torch.Size]:
+        """Placements on :attr:`mesh` and the global shape of parameter ``name``'s master."""
+        if name not in self.shards:
+            return [Shard(0), Replicate()], local_shape
+        dim, full = self.shards[name]
+        over_dp = _StridedShard(0, split_factor=self.mesh.size(1)) if dim == 0 else Shard(0)
+        return [over_dp, Shard(dim)], full
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(1)
 
 
 @dataclass
@@ -139,8 +170,9 @@ class ZeroSynchronizer(LocalAccumulation):
     """
 
     def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, stage: int,
-                 mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None):  # fmt: skip
-        self.mesh, self.stage, self.mp, self.hook, self.scaler = mesh, stage, mp, hook, scaler
+                 mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None,
+                 tp: TensorParallelLayout | None = None):  # fmt: skip
+        self.mesh, self.stage, self.mp, self.hook, self.scaler, self.tp = mesh, stage, mp, hook, scaler, tp
         self.group = mesh.get_group()
         self.n, self.rank = mesh.size(), mesh.get_local_rank()
         self.units = self._build_units(module, blocks)
@@ -187,15 +219,23 @@ class ZeroSynchronizer(LocalAccumulation):
         else:
             full = nn.Parameter(torch.empty(p.shape, dtype=self.mp.param_dtype, device=p.device))
             local = p.detach()[start:end].to(torch.float32).clone()
-        master = nn.Parameter(
-            DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-        )
+        master = nn.Parameter(self._as_master(local, name, p.shape))
         pieces = [(r, *_rows_of(p.shape[0], r, self.n)) for r in range(self.n)]
         slot = _Slot(name, owners, p.shape, rows, offset, full, master, [x for x in pieces if x[2] > x[1]])
         if self.stage == 3:
             full.untyped_storage().resize_(0)
         self._register(slot, master)
         return slot
+
+    def _as_master(self, local: torch.Tensor, name: str, shape: torch.Size) -> DTensor:
+        """``local`` (this rank's rows of parameter ``name``, shaped ``shape`` on this rank) as
+        a DTensor of the full parameter; ``shape`` is tensor-parallel-local under ``tp``."""
+        mesh, placements = self.mesh, [Shard(0)]
+        if self.tp is not None:
+            mesh = self.tp.mesh
+            placements, shape = self.tp.placement(name, shape)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     @staticmethod
     def _register(slot: _Slot, tensor: nn.Parameter) -> None:
@@ -346,11 +386,15 @@ class ZeroSynchronizer(LocalAccumulation):
         if missing and not self._warned_unused:
             self._warned_unused = True
             log.warning("parameters without a gradient this step (reduced as zeros): %s", ", ".join(missing))
+        # Each parameter's full (padded) gradient as [n, rows, row_numel], for per-matrix hooks.
+        matrices = [segments[:, s.offset : s.offset + s.chunk_numel].unflatten(1, (s.rows, s.row_numel))
+                    for s in unit.slots]  # fmt: skip
+        bucket = GradBucket(unit.index, flat, [], [], [], matrices=matrices)
         if self.stage == 1:
-            unit.reduced = (self.hook.reduce(GradBucket(unit.index, flat, [], [], []), self.group), None)
+            unit.reduced = (self.hook.reduce(bucket, self.group), None)
         else:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            unit.reduced = (self.hook.reduce_scatter(flat, out, self.group), out)
+            unit.reduced = (self.hook.reduce_scatter(flat, out, self.group, bucket), out)
         self._next_launch += 1
 
     def finish_gradient_sync(self) -> None:
@@ -373,6 +417,7 @@ class ZeroSynchronizer(LocalAccumulation):
             unit.ready = False
             self._free(unit)
         self._next_launch = 0
+        self.hook.on_step_end()
         if self.mp.reduce_dtype == torch.float32:
             self._set_master_grads()  # views of the reduced shards, no copy: nothing to defer
 
@@ -389,10 +434,7 @@ class ZeroSynchronizer(LocalAccumulation):
     def _master_grad(self, slot: _Slot, shard: torch.Tensor) -> DTensor:
         local = slot.master.to_local()
         grad = shard[slot.offset : slot.offset + local.numel()].view(local.shape)
-        return DTensor.from_local(
-            grad.to(torch.float32), self.mesh, [Shard(0)], run_check=False, shape=slot.shape,
-            stride=slot.master.stride(),
-        )  # fmt: skip
+        return self._as_master(grad.to(torch.float32), slot.name, slot.shape)
 
     # ----- optimizer step ----------------------------------------------------------------
 
@@ -411,22 +453,35 @@ class ZeroSynchronizer(LocalAccumulation):
         With fp16 loss scaling, divide by the scale and return ``False`` (skip the step;
         the scale has been lowered) if any rank found inf or nan. Then, if ``max_norm > 0``,
         clip by the global L2 norm: the squares of every rank's shards are summed with one
-        all-reduce, and all gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``
-        (the rule of ``torch.nn.utils.clip_grad_norm_``). Works on the masters' fp32 ``.grad``.
+        all-reduce (and those of tensor-parallel shards with one more over tp; parameters
+        replicated over tp count once), and all gradients are multiplied by
+        ``min(1, max_norm / (norm + 1e-6))`` (the rule of ``torch.nn.utils.clip_grad_norm_``).
+        Works on the masters' fp32 ``.grad``.
         """
         self._set_master_grads()
         grads = self._local_grads()
-        if self.scaler is not None and not self.scaler.unscale_and_check(grads, self.group):
+        groups = (self.group,) if self.tp is None else (self.group, self.tp.group)
+        if self.scaler is not None and not self.scaler.unscale_and_check(grads, *groups):
             return False
         if max_norm > 0:
-            device = self.units[0].slots[0].master.device
-            squares = torch.zeros((), dtype=torch.float32, device=device)
-            for g in grads:
-                squares += g.pow(2).sum()
-            dist.all_reduce(squares, group=self.group)
-            coef = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_(grads, (max_norm / (self._grad_norm() + 1e-6)).clamp(max=1.0))
         return True
+
+    def _grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the full gradient: ``[tp-sharded, replicated]`` sums of squares."""
+        device = self.units[0].slots[0].master.device
+        squares = torch.zeros(2, dtype=torch.float32, device=device)
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.master.grad is not None:
+                    sharded = self.tp is not None and slot.name in self.tp.shards
+                    squares[0 if sharded else 1] += slot.master.grad.to_local().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        if self.tp is not None:
+            sharded = squares[:1].clone()
+            dist.all_reduce(sharded, group=self.tp.group)
+            squares[0] = sharded[0]
+        return squares.sum().sqrt()
 
     def zero_grad(self) -> None:
         """Record the persistent model-state bytes, then drop the gradients.
@@ -465,7 +520,14 @@ class ZeroSynchronizer(LocalAccumulation):
             h.remove()
         for unit in self.units:
             for slot in unit.slots:
-                self._register(slot, nn.Parameter(slot.master.full_tensor()))
+                self._register(slot, nn.Parameter(self._gather_rows(slot)))
+
+    def _gather_rows(self, slot: _Slot) -> torch.Tensor:
+        """All of this rank's rows of ``slot``'s parameter (its tensor-parallel shard under tp)."""
+        local = slot.master.to_local()
+        rows = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=slot.shape,
+                                  stride=slot.full.stride())  # fmt: skip
+        return rows.full_tensor()
 
 
 def apply_zero(
@@ -476,13 +538,15 @@ def apply_zero(
     hook: CommHook | None = None,
     scaler: DynamicLossScaler | None = None,
     blocks: Sequence[nn.Module] | None = None,
+    tp: TensorParallelLayout | None = None,
 ) -> ZeroSynchronizer:
     """Shard ``module``'s parameters over the 1-D data-parallel ``mesh``, in place (ZeRO ``stage``).
 
     Broadcasts rank 0's parameters and buffers first. ``blocks`` are the units gathered one
     at a time (default: ``module.layers``, the TransformerBlocks); the other parameters form
     one more unit. Build the optimizer afterwards on ``module.parameters()`` (the masters) and
-    pass it to :meth:`ZeroSynchronizer.attach_optimizer`.
+    pass it to :meth:`ZeroSynchronizer.attach_optimizer`. ``tp``: the tensor-parallel split of
+    ``module``'s parameters, if any (``mesh`` is then ZeRO's axis of ``tp.mesh``).
 
     Raises:
         ValueError: ``stage`` not in 1..3, or a scalar (0-dim) parameter.
@@ -491,4 +555,4 @@ def apply_zero(
         raise ValueError(f"data_parallel.zero_stage={stage}; apply_zero needs 1, 2 or 3 (0 is plain data parallel)")
     broadcast_module(module, mesh.get_group())
     blocks = list(getattr(module, "layers", [])) if blocks is None else list(blocks)
-    return ZeroSynchronizer(module, blocks, mesh, stage, mp or MixedPrecision(), hook or AllReduceHook(), scaler)
+    return ZeroSynchronizer(module, blocks, mesh, stage, mp or MixedPrecision(), hook or AllReduceHook(), scaler, tp)

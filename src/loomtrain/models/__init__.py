@@ -4,6 +4,7 @@ from loomtrain.models.flops import count_params, flops_per_step, flops_per_token
 from loomtrain.models.generate import generate
 from loomtrain.models.llama import (
     Attention,
+    CoreAttention,
     FeedForward,
     RMSNorm,
     Transformer,
@@ -14,6 +15,7 @@ from loomtrain.models.llama import (
 
 __all__ = [
     "Attention",
+    "CoreAttention",
     "FeedForward",
     "RMSNorm",
     "Transformer",

@@ -76,39 +76,59 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention with grouped key/value heads (GQA) and rotary positions.
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention of rotated queries and keys over their heads.
 
-    ``n_kv_heads`` key/value heads are shared by ``n_heads / n_kv_heads`` query heads each.
-    Heads are found with ``view(..., -1, head_dim)``, so a column-sharded ``wq``/``wk``/``wv``
-    (tensor parallelism) works without changes here.
+    A module of its own so that sequence parallelism (Ulysses) can wrap it from outside: it
+    is the only part of a block that mixes positions.
 
-    Shapes: ``x`` ``[B, S, dim]`` → ``[B, S, dim]``.
+    Shapes: ``q`` ``[B, Hq, S, head_dim]``, ``k``, ``v`` ``[B, Hkv, S, head_dim]`` with ``Hq`` a
+    multiple of ``Hkv`` → ``[B, Hq, S, head_dim]``.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, dropout: float) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
-        self.grouped = cfg.kv_heads != cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=True,
-            enable_gqa=self.grouped,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with grouped key/value heads (GQA) and rotary positions.
+
+    ``n_kv_heads`` key/value heads are shared by ``n_heads / n_kv_heads`` query heads each.
+    Heads are found with ``view(..., -1, head_dim)``, so a column-sharded ``wq``/``wk``/``wv``
+    (tensor parallelism) works without changes here; the sequence length is read from the
+    projections' output, so a projection that gathers a sequence-sharded input (Megatron
+    sequence parallelism) works too.
+
+    Shapes: ``x`` ``[B, S, dim]`` → ``[B, S, dim]``; ``cos``, ``sin`` ``[S, head_dim]``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.core = CoreAttention(cfg.dropout)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = (w(x) for w in (self.wq, self.wk, self.wv))
+        batch, seq = q.shape[:2]
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(out))
 
@@ -206,21 +226,24 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """Logits for every position.
+
+        ``start_pos`` is the position of ``tokens[:, 0]`` in its sequence: 0 for a whole
+        sequence, the slice's offset when a rank holds a slice of it (sequence parallelism).
 
         Shapes: ``tokens`` ``LongTensor[B, S]`` → ``FloatTensor[B, S, vocab_size]``.
 
         Raises:
-            ValueError: ``S`` exceeds ``cfg.max_seq_len``.
+            ValueError: ``start_pos + S`` exceeds ``cfg.max_seq_len``.
         """
-        seq = tokens.shape[1]
-        if seq > self.cfg.max_seq_len:
+        end = start_pos + tokens.shape[1]
+        if end > self.cfg.max_seq_len:
             raise ValueError(
-                f"input has {seq} tokens but model.max_seq_len={self.cfg.max_seq_len}; "
+                f"input reaches position {end} but model.max_seq_len={self.cfg.max_seq_len}; "
                 "crop the input or raise model.max_seq_len"
             )
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)

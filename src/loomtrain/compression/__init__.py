@@ -1,0 +1,46 @@
+"""Gradient compression behind the :class:`~loomtrain.distributed.data_parallel.CommHook` seam.
+
+Chosen by ``compression.method`` (see ``docs/compression.md``): ``fp16``/``bf16`` casts,
+``int8`` and ``sign`` quantization, ``topk`` sparsification (Deep Gradient Compression) and
+``powersgd`` low-rank compression; all but the casts keep error-feedback residuals, which
+:meth:`CommHook.state_dict` carries into each rank's checkpoint file. Every hook works under
+plain data parallelism (``reduce``) and ZeRO (``reduce_scatter``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loomtrain.compression.feedback import CompressionHook, ErrorFeedback, Pending
+from loomtrain.compression.powersgd import PowerSGDHook
+from loomtrain.compression.quantize import CastHook, Int8Hook, SignHook
+from loomtrain.compression.topk import TopKHook
+from loomtrain.config import CompressionConfig
+from loomtrain.distributed.data_parallel import COMM_HOOKS, CommHook
+
+__all__ = [
+    "CastHook",
+    "CompressionHook",
+    "ErrorFeedback",
+    "Int8Hook",
+    "Pending",
+    "PowerSGDHook",
+    "SignHook",
+    "TopKHook",
+    "build_comm_hook",
+]
+
+
+def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> CommHook:
+    """The communication hook for ``cfg``: ``COMM_HOOKS[comm_hook]`` (uncompressed) when
+    ``cfg.method`` is ``"none"``, else the compressor with ``cfg``'s parameters."""
+    factories = {
+        "none": lambda: COMM_HOOKS[comm_hook](),
+        "fp16": lambda: CastHook(torch.float16),
+        "bf16": lambda: CastHook(torch.bfloat16),
+        "int8": lambda: Int8Hook(cfg.chunk_size, cfg.warmup_steps),
+        "sign": lambda: SignHook(cfg.chunk_size, cfg.warmup_steps),
+        "topk": lambda: TopKHook(cfg.topk_ratio, cfg.min_compress_numel, cfg.momentum_correction, cfg.warmup_steps),
+        "powersgd": lambda: PowerSGDHook(cfg.powersgd_rank, cfg.min_compress_numel, cfg.warmup_steps),
+    }
+    return factories[cfg.method]()

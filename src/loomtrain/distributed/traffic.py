@@ -1,0 +1,40 @@
+"""Bytes a rank puts on the wire, per mesh axis: measured where each collective is issued.
+
+The counts use the bandwidth-optimal algorithms' per-rank send volumes for a group of ``n``
+ranks and a message of ``M`` bytes (Patarasuk & Yuan 2009 for the ring all-reduce; Thakur,
+Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH", 2005):
+
+- all-reduce: ``2·(n−1)/n · M``
+- all-gather (``M`` = the full output): ``(n−1)/n · M``, i.e. each rank sends its part to n−1 ranks
+- reduce-scatter (``M`` = the full input): ``(n−1)/n · M``
+- all-to-all (``M`` = this rank's input): the bytes addressed to other ranks, exactly.
+
+A group of one rank sends nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class Traffic:
+    """Per-axis byte counters (``axis`` is a mesh axis name: ``"dp"``, ``"tp"``, ``"sp"``, ...)."""
+
+    def __init__(self) -> None:
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+
+    def all_reduce(self, axis: str, nbytes: int, n: int) -> None:
+        self.bytes[axis] += 2 * (n - 1) * nbytes // n
+
+    def all_gather(self, axis: str, output_nbytes: int, n: int) -> None:
+        self.bytes[axis] += (n - 1) * output_nbytes // n
+
+    def reduce_scatter(self, axis: str, input_nbytes: int, n: int) -> None:
+        self.bytes[axis] += (n - 1) * input_nbytes // n
+
+    def all_to_all(self, axis: str, sent_to_others_nbytes: int) -> None:
+        self.bytes[axis] += sent_to_others_nbytes
+
+    def snapshot(self) -> dict[str, int]:
+        """The totals so far, as a plain dict."""
+        return dict(self.bytes)

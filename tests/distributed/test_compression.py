@@ -1,0 +1,192 @@
+"""Compressing communication hooks on 2 and 4 gloo processes, under data parallelism and ZeRO.
+
+Tolerances: Top-K with ratio 1 sends every entry and must match the plain all-reduce within
+1e-5 relative (fp32; only the order of the sum differs). PowerSGD at full rank reconstructs
+the gradient through a QR factorization: within 2e-4 of each tensor's largest entry. Error
+feedback sums are fp32 with 1e-5 tolerance. The resume test asks for bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from loomtrain.compression import build_comm_hook
+from loomtrain.config import CompressionConfig, ModelConfig
+from loomtrain.distributed.data_parallel import apply_data_parallel, build_buckets
+from loomtrain.distributed.spawn import spawn
+from loomtrain.distributed.zero import apply_zero
+from loomtrain.models import Transformer
+from tests.integration.test_train import TINY, losses, run_train
+
+# vocab 50 does not split evenly over 4 ranks: ZeRO's padding rows are part of the matrices.
+MODEL = ModelConfig(n_layers=2, n_heads=4, dim=32, max_seq_len=16, vocab_size=50)
+MB, SEQ, ACCUM, STEPS = 2, 16, 2, 2
+LOSSLESS = {
+    "allreduce": CompressionConfig(),
+    "topk": CompressionConfig(method="topk", topk_ratio=1.0, min_compress_numel=0),
+    "powersgd": CompressionConfig(method="powersgd", powersgd_rank=1000, min_compress_numel=0),
+}
+
+
+def micro_batches(step: int):
+    """This rank's micro-batches of a global batch that does not depend on the world size."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tokens = torch.randint(0, MODEL.vocab_size, (8, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    per = 8 // (world * ACCUM)
+    starts = [(a * world + rank) * per for a in range(ACCUM)]
+    return [(tokens[s : s + per, :-1], tokens[s : s + per, 1:]) for s in starts]
+
+
+def reduced_gradients(stage: int, cfg: CompressionConfig) -> list[dict[str, torch.Tensor]]:
+    """The averaged full gradients of ``STEPS`` SGD steps (accumulating ``ACCUM`` micro-batches)."""
+    torch.manual_seed(0)
+    model = Transformer(MODEL)
+    hook = build_comm_hook(cfg)
+    if stage == 0:
+        sync = apply_data_parallel(model, dist.group.WORLD, 0.01, hook)
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        sync = apply_zero(model, mesh["dp"], stage, hook=hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if stage:
+        sync.attach_optimizer(opt)
+    grads = []
+    for step in range(STEPS):
+        for i, (x, y) in enumerate(micro_batches(step)):
+            with sync.no_sync() if i < ACCUM - 1 else contextlib.nullcontext():
+                (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / ACCUM).backward()
+        sync.finish_gradient_sync()
+        full = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+        grads.append({n: g.detach().clone() for n, g in full.items()})
+        opt.step()
+        sync.zero_grad()
+    return grads
+
+
+def lossless_runs() -> dict:
+    return {(stage, name): reduced_gradients(stage, cfg) for stage in (0, 1, 2) for name, cfg in LOSSLESS.items()}
+
+
+def all_runs(world: int) -> dict:
+    """One set of processes per world size (starting them dominates the cost)."""
+    return {"lossless": lossless_runs(), "feedback": feedback_runs() if world == 2 else None}
+
+
+@pytest.fixture(scope="module")
+def results_by_world():
+    cache: dict[int, list] = {}
+
+    def get(world: int) -> list:
+        if world not in cache:
+            cache[world] = spawn(all_runs, world, world, timeout_s=240)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lossless_settings_equal_plain_all_reduce(world, results_by_world):
+    """Catches: a wrong average (sum, or divided twice), gradients of one rank or bucket lost,
+    the wrong shard kept under ZeRO-2, ZeRO's rank-major layout misread as matrices (PowerSGD
+    would then mix rows of different ranks), residuals that are not zero when all is sent."""
+    results = [r["lossless"] for r in results_by_world(world)]
+    for rank in range(world):
+        for stage in (0, 1, 2):
+            plain = results[rank][(stage, "allreduce")]
+            for name in ("topk", "powersgd"):
+                for step, (got, want) in enumerate(zip(results[rank][(stage, name)], plain, strict=True)):
+                    for p in want:
+                        what = f"{name}, world {world}, stage {stage}, rank {rank}, step {step}, {p}"
+                        if name == "topk":
+                            torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-7, msg=what)
+                        else:
+                            assert (got[p] - want[p]).abs().max() <= 2e-4 * want[p].abs().max(), what
+
+
+FEEDBACK = {
+    "int8": CompressionConfig(method="int8", chunk_size=32),
+    "sign": CompressionConfig(method="sign", chunk_size=32),
+    "topk": CompressionConfig(method="topk", topk_ratio=0.1, min_compress_numel=0),
+    "powersgd": CompressionConfig(method="powersgd", powersgd_rank=2, min_compress_numel=0),
+    "topk_warmup": CompressionConfig(method="topk", topk_ratio=0.1, min_compress_numel=0, warmup_steps=1),
+    "topk_momentum_all": CompressionConfig(method="topk", topk_ratio=1.0, momentum_correction=0.9),
+}
+FEEDBACK_STEPS = 4
+
+
+def fake_gradient(step: int, rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def feedback_runs() -> dict:
+    """Per method: what each step's reduction gave, the true mean gradients, the rank-averaged
+    final residual, bytes sent and dense bytes. The bucket holds a 12×16 and a 3×12 matrix and
+    their biases."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 3))
+    bucket = build_buckets(module, 2**30)[0]
+    n, numel = dist.get_world_size(), bucket.buffer.numel()
+    weights = [(o, p) for o, p in zip(bucket.offsets, bucket.params, strict=True) if p.dim() == 2]
+    out = {}
+    for name, cfg in FEEDBACK.items():
+        hook = build_comm_hook(cfg)
+        sent, true = [], []
+        for step in range(FEEDBACK_STEPS):
+            bucket.buffer.copy_(fake_gradient(step, dist.get_rank(), numel))
+            value = hook.reduce(bucket, dist.group.WORLD).wait()
+            sent.append((value[0] if isinstance(value, list) else value).clone())
+            true.append(sum(fake_gradient(step, r, numel) for r in range(n)) / n)
+            hook.on_step_end()
+        residual = hook.feedback.residuals[0].clone()
+        dist.all_reduce(residual)
+        matrices = [m for s in sent for m in (s[o : o + p.numel()].view(p.shape) for o, p in weights)]
+        out[name] = (sent, true, residual / n, hook.bytes_sent, hook.dense_bytes, matrices)
+    return out
+
+
+def test_error_feedback_loses_nothing_and_ranks_agree(results_by_world):
+    """Catches: a residual that forgets what was not sent (the sum of updates drifts from the
+    sum of gradients), ranks that decode to different updates (replicas diverge), warm-up that
+    compresses anyway, momentum correction without factor masking (velocity sent twice),
+    PowerSGD updates of a rank above the configured one."""
+    results = [r["feedback"] for r in results_by_world(2)]
+    for name in FEEDBACK:
+        sent, true, residual, sent_bytes, dense_bytes, matrices = results[0][name]
+        assert all(torch.equal(a, b) for a, b in zip(sent, results[1][name][0], strict=True)), name
+        if name == "topk_momentum_all":
+            for got, want in zip(sent, true, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+            continue
+        torch.testing.assert_close(sum(sent) + residual, sum(true), rtol=1e-5, atol=1e-5, msg=name)
+        assert residual.abs().max() > 1e-3, f"{name}: lossy settings must leave a residual"
+        assert sent_bytes < dense_bytes, name
+    ranks = [int(torch.linalg.matrix_rank(m)) for m in results[0]["powersgd"][5]]
+    assert max(ranks) == FEEDBACK["powersgd"].powersgd_rank, f"PowerSGD updates of rank {ranks}"
+    warm = results[0]["topk_warmup"][0]
+    torch.testing.assert_close(warm[0], results[0]["topk_warmup"][1][0], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(warm[1], results[0]["topk_warmup"][1][1], atol=1e-3)
+
+
+def test_resumed_run_with_compression_has_identical_losses(tmp_path):
+    """Catches: residuals, PowerSGD's warm-started Q or the step count (warm-up) missing from
+    the checkpoint, or restored on the wrong rank."""
+    common = [*TINY, f"--run.out_dir={tmp_path}", "--compression.method=powersgd", "--compression.powersgd_rank=2",
+              "--compression.min_compress_numel=0", "--compression.warmup_steps=2"]  # fmt: skip
+    # TINY checkpoints every 5 steps; the second run resumes from the first one's step 5.
+    whole = spawn(run_train, 2, [*common, "--run.name=whole", "--training.steps=10"], timeout_s=180)[0]
+    step5 = tmp_path / "whole" / "checkpoints" / "step_00000005"
+    resume = [*common, "--run.name=resumed", "--training.steps=10", f"--checkpoint.resume={step5}"]
+    resumed = spawn(run_train, 2, resume, timeout_s=180)[0]
+    assert resumed["start_step"] == 5
+    after = {step: loss for step, loss in losses(tmp_path / "whole").items() if step > 5}
+    assert losses(tmp_path / "resumed") == after and len(after) == 5
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert 0 < summary["compression_ratio"] < 1 and whole["compression_ratio"] == summary["compression_ratio"]
