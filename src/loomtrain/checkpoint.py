@@ -278,8 +278,9 @@ class CheckpointManager:
         same_layout = manifest["world_size"] == dist.get_world_size() and manifest.get("layout") == self.layout
         if same_layout and rng_file.is_file():
             saved = torch.load(rng_file, weights_only=True)
-            _set_rng_state(saved["rng"])
-            rank_state = saved["rank_state"]
+            # Checkpoints written before per-rank state existed hold the bare RNG state.
+            _set_rng_state(saved.get("rng", saved))
+            rank_state = saved.get("rank_state", {})
         elif not same_layout and dist.get_rank() == 0:
             log.warning(
                 "checkpoint %s was written by %d ranks with layout %s, this run has %d with %s: per-rank state "

@@ -312,7 +312,19 @@ class Config(_Section):
                 f"model.n_heads={m.n_heads} leaves {m.n_heads // tp} head(s) per tensor-parallel rank, fewer than "
                 f"parallel.sequence_parallel_degree={sp}; Ulysses gives each rank whole heads"
             )
+        if self.parallel.tp_mode == "sequence_parallel" and tp == 1:
+            raise ValueError(
+                "parallel.tp_mode='sequence_parallel' needs parallel.tensor_parallel_degree > 1 (Megatron sequence "
+                "parallelism splits the sequence over the tensor-parallel ranks); for Ulysses set "
+                "parallel.sequence_parallel_degree"
+            )
         dp = self.data_parallel
+        if self.compression.method != "none" and dp.param_dtype == "fp16":
+            raise ValueError(
+                f"compression.method={self.compression.method!r} with data_parallel.param_dtype='fp16' is not "
+                "supported: a skipped overflow step would leave inf in the error-feedback residuals; use "
+                "param_dtype='bf16' or compression.method='none'"
+            )
         megatron_sp = tp > 1 and self.parallel.tp_mode == "sequence_parallel"
         if megatron_sp and (dp.zero_stage == 3 or dp.param_dtype != "fp32"):
             raise ValueError(

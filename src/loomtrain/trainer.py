@@ -326,7 +326,8 @@ class Trainer:
         state = self.ckpt.load(self.resumed_from, self.model, self.optimizer, self.pm)
         self.step = self.start_step = state.step
         self.loader.load_state_dict(state.loader)
-        if "comm_hook" in state.rank_state:  # absent after a world-size change: residuals restart at zero
+        # Absent after a layout change; another method's state does not fit: residuals restart at zero.
+        if state.rank_state.get("compression_method") == self.cfg.compression.method:
             self.sync.hook.load_state_dict(state.rank_state["comm_hook"])
         if self._scaler is not None and "loss_scaler" in state.extra:
             self._scaler.load_state_dict(state.extra["loss_scaler"])
@@ -391,7 +392,7 @@ class Trainer:
 
     def _save(self) -> None:
         extra = {} if self._scaler is None else {"loss_scaler": self._scaler.state_dict()}
-        rank_state = {"comm_hook": self.sync.hook.state_dict()}
+        rank_state = {"comm_hook": self.sync.hook.state_dict(), "compression_method": self.cfg.compression.method}
         train_state = TrainState(self.step, self.loader.state_dict(), extra, rank_state)
         self.ckpt.save(self.step, self.model, self.optimizer, train_state, self.pm)
 

@@ -53,6 +53,7 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     [
         ("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"]),
         ("tp2_megatron_sp", 2, ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"]),
+        ("tp2_tied_head", 2, ["--model.tie_embeddings=true", "--parallel.tensor_parallel_degree=2"]),
         ("dp2_ulysses2_zero2", 4, ["--parallel.sequence_parallel_degree=2", "--data_parallel.zero_stage=2"]),
         (
             "tp2_ulysses2",

@@ -87,10 +87,6 @@ class ParallelDims:
         """This rank's coordinate along ``axis``."""
         return self.mesh.get_local_rank(axis)
 
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.group("dp")
-
     @cached_property
     def grad_mesh(self) -> DeviceMesh:
         """1-D mesh over the ``dp`` and ``sp`` axes together: the ranks that hold the same

@@ -64,7 +64,8 @@ class TensorParallelLayout:
     """Parameters that tensor parallelism has already split, for ZeRO to shard further.
 
     Attributes:
-        mesh: 2-D mesh ``(dp, tp)``: ZeRO's ranks, then the tensor-parallel ranks.
+        mesh: 2-D mesh ``(dp_sp, tp)``: ZeRO's ranks (``ParallelDims.grad_mesh``), then the
+            tensor-parallel ranks (``ParallelDims.grad_tp_mesh``).
         shards: ``{parameter name: (dim split over tp, full shape)}``; others are replicated over tp.
 
     A master then covers rows ``[r·c, (r+1)·c)`` of this rank's tensor-parallel shard, which is

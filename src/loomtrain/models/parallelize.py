@@ -139,7 +139,7 @@ class ParallelModel:
             return self.model
         full = {
             name: self._as_dtensor(name, p.detach()).full_tensor() if name in self.tp_shards else p.detach()
-            for name, p in self.model.named_parameters()
+            for name, p in self.model.named_parameters(remove_duplicate=False)
         }
         device = next(self.model.parameters()).device
         plain = Transformer(self.model.cfg).to(device)
@@ -159,7 +159,8 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
     traffic = Traffic()
     tp_shards: dict[str, tuple[int, torch.Size]] = {}
     if dims.tp > 1:
-        full_shapes = {name: p.shape for name, p in model.named_parameters()}
+        # Every name a parameter is registered under: a tied head is split too.
+        full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
         split = apply_tensor_parallel(
             model, dims.group("tp"), sequence_parallel=cfg.parallel.tp_mode == "sequence_parallel", traffic=traffic
         )
