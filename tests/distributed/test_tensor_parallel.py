@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from loomtrain.config import ModelConfig
+from loomtrain.distributed.parallel_dims import shard_range
 from loomtrain.distributed.spawn import spawn
 from loomtrain.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_tensor_parallel,
-    shard_range,
     vocab_parallel_cross_entropy,
 )
 from loomtrain.distributed.traffic import Traffic

@@ -19,15 +19,37 @@ flattened ``dp_sp`` axis (:attr:`ParallelDims.grad_mesh`). Pipeline parallelism 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement
 
 from loomtrain.config import ConfigError, ParallelConfig
 
 AXES = ("dp", "sp", "tp")
+
+
+def shard_range(size: int, n: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s part of a dimension of ``size`` split over ``n`` ranks
+    in the chunk layout of ``torch.chunk`` and DTensor ``Shard`` (``ceil(size / n)`` per rank,
+    trailing ranks fewer or none). Tensor parallelism and ZeRO both split this way."""
+    per_rank = math.ceil(size / n)
+    start = min(rank * per_rank, size)
+    return start, min(start + per_rank, size)
+
+
+def sharded_dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> DTensor:
+    """``local`` (this rank's part, storage shared, not copied) as a DTensor of the contiguous
+    full tensor of ``shape`` laid out by ``placements`` on ``mesh``."""
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 @dataclass(frozen=True)

@@ -22,25 +22,16 @@ tensor-parallel degree.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from loomtrain.distributed.parallel_dims import shard_range
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.models.llama import Transformer
 
 SEQ_DIM = 1
-
-
-def shard_range(size: int, n: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s part of a dimension of ``size`` split over ``n`` ranks
-    in the chunk layout (``ceil(size / n)`` per rank, trailing ranks fewer or none)."""
-    per_rank = math.ceil(size / n)
-    start = min(rank * per_rank, size)
-    return start, min(start + per_rank, size)
 
 
 def shard_of(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

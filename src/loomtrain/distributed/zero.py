@@ -55,6 +55,7 @@ from loomtrain.distributed.data_parallel import (
     broadcast_module,
 )
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
+from loomtrain.distributed.parallel_dims import shard_range, sharded_dtensor
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +127,6 @@ class _Unit:
     gathered: bool = False
     reduced: tuple | None = None  # (handle, out) of the gradient reduction in flight
     grad: torch.Tensor | None = None  # this rank's part of the reduced gradient, in reduce_dtype
-
-
-def _rows_of(dim0: int, rank: int, n: int) -> tuple[int, int]:
-    """Row range ``[start, end)`` that ``rank`` holds (``torch.chunk`` layout, as DTensor)."""
-    c = -(-dim0 // n)
-    start = min(rank * c, dim0)
-    return start, min(start + c, dim0)
 
 
 def storage_bytes(tensors) -> int:
@@ -212,7 +206,7 @@ class ZeroSynchronizer(LocalAccumulation):
     @torch.no_grad()
     def _make_slot(self, p: nn.Parameter, name: str, owners: list, offset: int) -> _Slot:
         rows = -(-p.shape[0] // self.n)
-        start, end = _rows_of(p.shape[0], self.rank, self.n)
+        start, end = shard_range(p.shape[0], self.n, self.rank)
         keep_full = self.stage < 3 and p.dtype == self.mp.param_dtype == torch.float32
         if keep_full:
             # fp32 stages 1-2: the master shard is a view of the full parameter, held once.
@@ -221,7 +215,7 @@ class ZeroSynchronizer(LocalAccumulation):
             full = nn.Parameter(torch.empty(p.shape, dtype=self.mp.param_dtype, device=p.device))
             local = p.detach()[start:end].to(torch.float32).clone()
         master = nn.Parameter(self._as_master(local, name, p.shape))
-        pieces = [(r, *_rows_of(p.shape[0], r, self.n)) for r in range(self.n)]
+        pieces = [(r, *shard_range(p.shape[0], self.n, r)) for r in range(self.n)]
         slot = _Slot(name, owners, p.shape, rows, offset, full, master, [x for x in pieces if x[2] > x[1]])
         if self.stage == 3:
             full.untyped_storage().resize_(0)
@@ -235,8 +229,7 @@ class ZeroSynchronizer(LocalAccumulation):
         if self.tp is not None:
             mesh = self.tp.mesh
             placements, shape = self.tp.placement(name, shape)
-        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return sharded_dtensor(local, mesh, placements, shape)
 
     @staticmethod
     def _register(slot: _Slot, tensor: nn.Parameter) -> None:
@@ -525,10 +518,7 @@ class ZeroSynchronizer(LocalAccumulation):
 
     def _gather_rows(self, slot: _Slot) -> torch.Tensor:
         """All of this rank's rows of ``slot``'s parameter (its tensor-parallel shard under tp)."""
-        local = slot.master.to_local()
-        rows = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=slot.shape,
-                                  stride=slot.full.stride())  # fmt: skip
-        return rows.full_tensor()
+        return sharded_dtensor(slot.master.to_local(), self.mesh, [Shard(0)], slot.shape).full_tensor()
 
 
 def apply_zero(

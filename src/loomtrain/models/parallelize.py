@@ -16,7 +16,6 @@ checkpoints, and a full model for sampling.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from loomtrain.config import Config
 from loomtrain.distributed.data_parallel import CommHook, GradientSynchronizer, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
-from loomtrain.distributed.parallel_dims import ParallelDims
+from loomtrain.distributed.parallel_dims import ParallelDims, sharded_dtensor
 from loomtrain.distributed.sequence_parallel import apply_ulysses
 from loomtrain.distributed.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from loomtrain.distributed.traffic import Traffic
@@ -96,9 +95,7 @@ class ParallelModel:
 
     def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
         dim, shape = self.tp_shards[name]
-        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        return DTensor.from_local(local, self.dims.mesh["tp"], [Shard(dim)], run_check=False, shape=shape,
-                                  stride=stride)  # fmt: skip
+        return sharded_dtensor(local, self.dims.mesh["tp"], [Shard(dim)], shape)
 
     def wrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         """In place: the tensor-parallel shards in a model and an optimizer state dict (as
