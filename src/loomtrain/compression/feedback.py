@@ -9,9 +9,9 @@ Data-Parallel Distributed Training of Speech DNNs" (Interspeech 2014), §3 ("err
 Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes"
 (ICML 2019), Algorithm 2 (EF-SGD), which proves it restores SGD's convergence rate.
 
-Byte counts use the per-rank send volumes of the bandwidth-optimal algorithms, as
-``loomtrain.distributed.traffic`` does: all-reduce ``2·(n−1)/n·M``, all-gather ``(n−1)/n·M``
-of the gathered output ``M``, reduce-scatter ``(n−1)/n·M`` of the input.
+Byte counts use the per-rank send volumes of the bandwidth-optimal algorithms, computed by
+``loomtrain.distributed.traffic``: all-reduce ``2·(n−1)/n·M``, all-gather ``(n−1)/n·M`` of the
+gathered output ``M``, reduce-scatter ``(n−1)/n·M`` of the input.
 """
 
 from __future__ import annotations
@@ -24,18 +24,9 @@ import torch
 import torch.distributed as dist
 
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
+from loomtrain.distributed.traffic import all_reduce_bytes, reduce_scatter_bytes
 
 log = logging.getLogger(__name__)
-
-
-def all_reduce_bytes(nbytes: int, n: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks."""
-    return 2 * (n - 1) * nbytes // n
-
-
-def all_gather_bytes(output_nbytes: int, n: int) -> int:
-    """Bytes one rank sends in an all-gather whose gathered output has ``output_nbytes``."""
-    return (n - 1) * output_nbytes // n
 
 
 class Pending:
@@ -136,7 +127,7 @@ class CompressionHook(CommHook):
         if self.warming_up:
             return super().reduce_scatter(flat, out, group)
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.dense_bytes += (n - 1) * flat.numel() * flat.element_size() // n
+        self.dense_bytes += reduce_scatter_bytes(flat.numel() * flat.element_size(), n)
         return self._start(bucket, group).then(lambda full: out.copy_(full.view(n, -1)[rank]))
 
     def state_dict(self) -> dict:

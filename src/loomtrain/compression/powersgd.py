@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loomtrain.compression.feedback import CompressionHook, Pending, all_reduce_bytes, matrices_of, same_view
+from loomtrain.compression.feedback import CompressionHook, Pending, matrices_of, same_view
 from loomtrain.distributed.data_parallel import GradBucket
+from loomtrain.distributed.traffic import all_reduce_bytes
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:

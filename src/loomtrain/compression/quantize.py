@@ -25,15 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loomtrain.compression.feedback import (
-    CompressionHook,
-    Pending,
-    all_gather_bytes,
-    all_reduce_bytes,
-    matrices_of,
-    same_view,
-)
+from loomtrain.compression.feedback import CompressionHook, Pending, matrices_of, same_view
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
+from loomtrain.distributed.traffic import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -113,8 +107,8 @@ class CastHook(CommHook):
         n = dist.get_world_size(group)
         low = flat.div_(n).to(self.dtype)
         low_out = torch.empty(out.numel(), dtype=self.dtype, device=out.device)
-        self.dense_bytes += (n - 1) * flat.numel() * flat.element_size() // n
-        self.bytes_sent += (n - 1) * low.numel() * low.element_size() // n
+        self.dense_bytes += reduce_scatter_bytes(flat.numel() * flat.element_size(), n)
+        self.bytes_sent += reduce_scatter_bytes(low.numel() * low.element_size(), n)
         work = dist.reduce_scatter_single(low_out, low, group=group, async_op=True)
         return Pending(work, lambda: out.copy_(low_out))
 

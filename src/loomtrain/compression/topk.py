@@ -25,8 +25,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from loomtrain.compression.feedback import CompressionHook, Pending, all_gather_bytes, matrices_of, same_view
+from loomtrain.compression.feedback import CompressionHook, Pending, matrices_of, same_view
 from loomtrain.distributed.data_parallel import GradBucket
+from loomtrain.distributed.traffic import all_gather_bytes
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:

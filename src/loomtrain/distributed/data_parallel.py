@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loomtrain.distributed.traffic import all_reduce_bytes, reduce_scatter_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -113,7 +115,7 @@ class CommHook(ABC):
         del bucket
         n = dist.get_world_size(group)
         flat.div_(n)
-        nbytes = int((n - 1) / n * flat.numel() * flat.element_size())
+        nbytes = reduce_scatter_bytes(flat.numel() * flat.element_size(), n)
         self.bytes_sent += nbytes
         self.dense_bytes += nbytes
         return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
@@ -139,7 +141,7 @@ class AllReduceHook(CommHook):
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
         n = dist.get_world_size(group)
         bucket.buffer.div_(n)
-        nbytes = int(2 * (n - 1) / n * bucket.nbytes)
+        nbytes = all_reduce_bytes(bucket.nbytes, n)
         self.bytes_sent += nbytes
         self.dense_bytes += nbytes
         # The collective's own future (value: [buffer]); chaining a Python callback with

@@ -17,6 +17,21 @@ from __future__ import annotations
 from collections import defaultdict
 
 
+def all_reduce_bytes(nbytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks."""
+    return 2 * (n - 1) * nbytes // n
+
+
+def all_gather_bytes(output_nbytes: int, n: int) -> int:
+    """Bytes one rank sends in an all-gather whose gathered output has ``output_nbytes``."""
+    return (n - 1) * output_nbytes // n
+
+
+def reduce_scatter_bytes(input_nbytes: int, n: int) -> int:
+    """Bytes one rank sends in a reduce-scatter of an input of ``input_nbytes``."""
+    return (n - 1) * input_nbytes // n
+
+
 class Traffic:
     """Per-axis byte counters (``axis`` is a mesh axis name: ``"dp"``, ``"tp"``, ``"sp"``, ...)."""
 
@@ -24,13 +39,13 @@ class Traffic:
         self.bytes: defaultdict[str, int] = defaultdict(int)
 
     def all_reduce(self, axis: str, nbytes: int, n: int) -> None:
-        self.bytes[axis] += 2 * (n - 1) * nbytes // n
+        self.bytes[axis] += all_reduce_bytes(nbytes, n)
 
     def all_gather(self, axis: str, output_nbytes: int, n: int) -> None:
-        self.bytes[axis] += (n - 1) * output_nbytes // n
+        self.bytes[axis] += all_gather_bytes(output_nbytes, n)
 
     def reduce_scatter(self, axis: str, input_nbytes: int, n: int) -> None:
-        self.bytes[axis] += (n - 1) * input_nbytes // n
+        self.bytes[axis] += reduce_scatter_bytes(input_nbytes, n)
 
     def all_to_all(self, axis: str, sent_to_others_nbytes: int) -> None:
         self.bytes[axis] += sent_to_others_nbytes
