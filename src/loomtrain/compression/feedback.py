@@ -138,11 +138,6 @@ class CompressionHook(CommHook):
         self.feedback.residuals = dict(state["residuals"])
 
 
-def matrices_of(bucket: GradBucket) -> list[torch.Tensor]:
-    """The bucket's per-parameter matrix views, or the whole buffer as one column."""
-    return bucket.matrices or [bucket.buffer.view(-1, 1)]
-
-
 def same_view(view: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """The view of ``other`` that ``view`` is of ``base`` (same shape, strides and offset);
     ``base`` and ``other`` are contiguous 1-D tensors of the same length."""

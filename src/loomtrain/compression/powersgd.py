@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loomtrain.compression.feedback import CompressionHook, Pending, matrices_of, same_view
+from loomtrain.compression.feedback import CompressionHook, Pending, same_view
 from loomtrain.distributed.data_parallel import GradBucket
 from loomtrain.distributed.traffic import all_reduce_bytes
 
@@ -66,7 +66,7 @@ class PowerSGDHook(CompressionHook):
     def _start(self, bucket: GradBucket, group: dist.ProcessGroup) -> Pending:
         n = dist.get_world_size(group)
         delta = self.feedback.accumulate(bucket.index, bucket.buffer)
-        views = [same_view(m, bucket.buffer, delta) for m in matrices_of(bucket)]
+        views = [same_view(m, bucket.buffer, delta) for m in bucket.matrices]
         low = [j for j, v in enumerate(views) if self._compressed(v)]
         dense = [j for j, v in enumerate(views) if not self._compressed(v)]
         ms = {j: views[j].reshape(-1, views[j].shape[-1]) for j in low}
@@ -106,5 +106,5 @@ class PowerSGDHook(CompressionHook):
 
 def _write(bucket: GradBucket, j: int, value: torch.Tensor) -> None:
     """Copy ``value`` (any shape with the same elements) into matrix ``j`` of ``bucket.buffer``."""
-    target = matrices_of(bucket)[j]
+    target = bucket.matrices[j]
     target.copy_(value.reshape(target.shape))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loomtrain.compression.feedback import CompressionHook, Pending, matrices_of, same_view
+from loomtrain.compression.feedback import CompressionHook, Pending, same_view
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
 from loomtrain.distributed.traffic import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
@@ -146,13 +146,13 @@ class _GatherQuantized(CompressionHook):
         return payload[: 4 * self._n_scales(numel)].clone().view(torch.float32)
 
     def _encode_bucket(self, bucket: GradBucket, delta: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self._encode(same_view(m, bucket.buffer, delta).reshape(-1)) for m in matrices_of(bucket)])
+        return torch.cat([self._encode(same_view(m, bucket.buffer, delta).reshape(-1)) for m in bucket.matrices])
 
     def _decode_bucket(self, bucket: GradBucket, payload: torch.Tensor) -> torch.Tensor:
         """fp32, shaped like ``bucket.buffer``, from a payload of :meth:`_encode_bucket`."""
         out = torch.zeros(bucket.buffer.shape, dtype=torch.float32, device=payload.device)
         start = 0
-        for m in matrices_of(bucket):
+        for m in bucket.matrices:
             size = 4 * self._n_scales(m.numel()) + self._value_bytes(m.numel())
             same_view(m, bucket.buffer, out).copy_(self._decode(payload[start : start + size], m.numel()).view(m.shape))
             start += size

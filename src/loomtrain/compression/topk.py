@@ -25,7 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from loomtrain.compression.feedback import CompressionHook, Pending, matrices_of, same_view
+from loomtrain.compression.feedback import CompressionHook, Pending, same_view
 from loomtrain.distributed.data_parallel import GradBucket
 from loomtrain.distributed.traffic import all_gather_bytes
 
@@ -71,7 +71,7 @@ class TopKHook(CompressionHook):
     def _select(self, bucket: GradBucket, delta: torch.Tensor) -> torch.Tensor:
         """Flat indices into ``delta`` of every tensor's top-k entries (int64)."""
         picked = []
-        for m in matrices_of(bucket):
+        for m in bucket.matrices:
             view = same_view(m, bucket.buffer, delta)
             local = topk_indices(view.reshape(-1), self._k(view.numel()))
             picked.append(_flat_index(view, local) + (view.storage_offset() - delta.storage_offset()))
