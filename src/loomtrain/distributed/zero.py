@@ -56,6 +56,7 @@ from loomtrain.distributed.data_parallel import (
 )
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import shard_range, sharded_dtensor
+from loomtrain.optim import clip_grad_norm_
 
 log = logging.getLogger(__name__)
 
@@ -458,24 +459,15 @@ class ZeroSynchronizer(LocalAccumulation):
         if self.scaler is not None and not self.scaler.unscale_and_check(grads, *groups):
             return False
         if max_norm > 0:
-            torch._foreach_mul_(grads, (max_norm / (self._grad_norm() + 1e-6)).clamp(max=1.0))
+            sharded, replicated = [], []
+            for unit in self.units:
+                for slot in unit.slots:
+                    if slot.master.grad is not None:
+                        tp_split = self.tp is not None and slot.name in self.tp.shards
+                        (sharded if tp_split else replicated).append(slot.master.grad.to_local())
+            tp_group = self.tp.group if self.tp is not None else None
+            clip_grad_norm_(sharded, replicated, max_norm, reduce_group=self.group, tp_group=tp_group)
         return True
-
-    def _grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the full gradient: ``[tp-sharded, replicated]`` sums of squares."""
-        device = self.units[0].slots[0].master.device
-        squares = torch.zeros(2, dtype=torch.float32, device=device)
-        for unit in self.units:
-            for slot in unit.slots:
-                if slot.master.grad is not None:
-                    sharded = self.tp is not None and slot.name in self.tp.shards
-                    squares[0 if sharded else 1] += slot.master.grad.to_local().pow(2).sum()
-        dist.all_reduce(squares, group=self.group)
-        if self.tp is not None:
-            sharded = squares[:1].clone()
-            dist.all_reduce(sharded, group=self.tp.group)
-            squares[0] = sharded[0]
-        return squares.sum().sqrt()
 
     def zero_grad(self) -> None:
         """Record the persistent model-state bytes, then drop the gradients.

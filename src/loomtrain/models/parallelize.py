@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
@@ -32,6 +31,7 @@ from loomtrain.distributed.tensor_parallel import apply_tensor_parallel, vocab_p
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import TensorParallelLayout, ZeroSynchronizer, apply_zero
 from loomtrain.models.llama import Transformer
+from loomtrain.optim import clip_grad_norm_
 
 
 @dataclass
@@ -66,7 +66,6 @@ class ParallelModel:
             return vocab_parallel_cross_entropy(logits.float(), target, self.dims.group("tp"), self.traffic)
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the (already averaged) gradients so their global L2 norm is at most ``max_norm``
         (the rule of ``torch.nn.utils.clip_grad_norm_``: factor ``min(1, max_norm / (norm + 1e-6))``).
@@ -79,19 +78,8 @@ class ParallelModel:
         for name, p in self.model.named_parameters():
             if p.grad is not None:
                 (sharded if name in self.tp_shards else replicated).append(p.grad)
-        device = next(self.model.parameters()).device
-        squares = torch.zeros(2, dtype=torch.float32, device=device)
-        for i, grads in enumerate((sharded, replicated)):
-            for g in grads:
-                squares[i] += g.float().pow(2).sum()
-        if self.dims.tp > 1:
-            shard_sum = squares[:1].clone()
-            dist.all_reduce(shard_sum, group=self.dims.group("tp"))
-            squares[0] = shard_sum[0]
-        norm = squares.sum().sqrt()
-        if max_norm > 0:
-            torch._foreach_mul_(sharded + replicated, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
+        tp_group = self.dims.group("tp") if self.dims.tp > 1 else None
+        return clip_grad_norm_(sharded, replicated, max_norm, tp_group=tp_group)
 
     def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
         dim, shape = self.tp_shards[name]
