@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timing import interleaved_rounds
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loomtrain.config import ModelConfig
@@ -52,32 +52,21 @@ def step(net, opt, sync, tokens: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=False)
 
 
-def timed_block(net, opt, sync, steps: int, batch: int, cfg: ModelConfig) -> list[float]:
-    times = []
-    for i in range(steps):
-        tokens = torch.randint(
-            0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(i)
-        )
-        dist.barrier()
-        start = time.perf_counter()
-        step(net, opt, sync, tokens)
-        t = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank finishes
-        times.append(t.item())
-    return times
-
-
 def worker(args: dict) -> dict:
     cfg = ModelConfig(n_layers=args["layers"], n_heads=4, dim=args["dim"], max_seq_len=64, vocab_size=65)
-    impls = {name: build(name, cfg, args["bucket_mb"]) for name in ("ours", "ddp")}
-    for net, opt, sync in impls.values():
-        timed_block(net, opt, sync, 3, args["batch"], cfg)  # warm-up
-    times: dict[str, list[float]] = {"ours": [], "ddp": []}
-    for r in range(args["rounds"]):
-        order = ("ours", "ddp") if r % 2 == 0 else ("ddp", "ours")
-        for name in order:
-            times[name] += timed_block(*impls[name], args["steps"], args["batch"], cfg)
-    return times
+
+    def run(impl):
+        def one_step(i: int) -> None:
+            g = torch.Generator().manual_seed(i)
+            step(*impl, torch.randint(0, cfg.vocab_size, (args["batch"], cfg.max_seq_len + 1), generator=g))
+
+        return one_step
+
+    runs = {name: run(build(name, cfg, args["bucket_mb"])) for name in ("ours", "ddp")}
+    for one_step in runs.values():
+        for i in range(3):  # warm-up
+            one_step(i)
+    return interleaved_rounds(runs, args["rounds"], args["steps"])
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ each collective is issued. Compared with
 Step time: tp = 2 on 2 processes, the same model (4 layers × width 512 by default), data and
 AdamW step; ours (column/row linears, vocab-parallel embedding and cross-entropy) against
 ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` and torch's ``loss_parallel``;
-interleaved rounds, median step seconds, ratio ours / torch (lower is better).
+interleaved rounds of alternating order (``timing.py``), median step seconds of the slowest
+rank, ratio ours / torch (lower is better).
 Writes ``benchmarks/results/tp.json`` and prints the step-time ratio last.
 
     python benchmarks/bench_tp.py [--rounds 5 --steps 4 --layers 4 --dim 512 --batch 4 --seq 128]
@@ -28,12 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timing import interleaved_rounds
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
@@ -153,16 +154,8 @@ def time_steps(cfg: ModelConfig, b: int, rounds: int, steps: int) -> dict:
     x, y = tokens[:, :-1], tokens[:, 1:]
     for step in impls.values():
         step(x, y)  # warm-up: allocations, first-touch of optimizer state
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, step in impls.items():
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                step(x, y)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank ends
-                times[name].append(elapsed.item())
+    runs = {name: lambda i, step=step: step(x, y) for name, step in impls.items()}
+    times = interleaved_rounds(runs, rounds, steps)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timing import interleaved_rounds
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -82,29 +82,21 @@ def build(impl: str, stage: int, cfg: ModelConfig) -> Impl:
     return Impl(DDP(model), model, opt, state_opt=opt.optim)
 
 
-def timed_block(impl: Impl, steps: int, batch: int, cfg: ModelConfig) -> list[float]:
-    times = []
-    for i in range(steps):
-        g = torch.Generator().manual_seed(i * 100 + dist.get_rank())
-        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
-        dist.barrier()
-        start = time.perf_counter()
-        impl.step(tokens)
-        t = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return times
-
-
 def worker(stage: int, args: dict) -> dict:
     cfg = ModelConfig(n_layers=args["layers"], n_heads=8, dim=args["dim"], max_seq_len=64, vocab_size=65)
     impls = {name: build(name, stage, cfg) for name in ("ours", "peer")}
-    for impl in impls.values():
-        timed_block(impl, 1, args["batch"], cfg)  # warm-up
-    times: dict[str, list[float]] = {"ours": [], "peer": []}
-    for r in range(args["rounds"]):
-        for name in ("ours", "peer") if r % 2 == 0 else ("peer", "ours"):
-            times[name] += timed_block(impls[name], args["steps"], args["batch"], cfg)
+
+    def run(impl: Impl):
+        def one_step(i: int) -> None:
+            g = torch.Generator().manual_seed(i * 100 + dist.get_rank())
+            impl.step(torch.randint(0, cfg.vocab_size, (args["batch"], cfg.max_seq_len + 1), generator=g))
+
+        return one_step
+
+    runs = {name: run(impl) for name, impl in impls.items()}
+    for one_step in runs.values():
+        one_step(0)  # warm-up
+    times = interleaved_rounds(runs, args["rounds"], args["steps"])
     peaks = torch.tensor([impls["ours"].peak, impls["peer"].peak], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return {"times": times, "ours_state_bytes": int(peaks[0]), "peer_state_bytes": int(peaks[1])}
