@@ -32,6 +32,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_zero.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_compression.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_tp.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_pipeline.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -130,7 +130,7 @@ def _torch_peer(cfg: ModelConfig) -> _Step:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(),
     }
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(block, mesh, block_plan)
     parallelize_module(
         model,

@@ -74,7 +74,7 @@ def build(impl: str, stage: int, cfg: ModelConfig) -> Impl:
         sync.attach_optimizer(opt)
         return Impl(model, model, opt, sync)
     if stage == 3:
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         return Impl(model, model, torch.optim.AdamW(model.parameters(), lr=LR))

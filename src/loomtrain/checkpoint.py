@@ -275,7 +275,9 @@ class CheckpointManager:
         manifest = read_manifest(path)
         rank_state: dict[str, Any] = {}
         # Rank r's own state means the same thing only if rank r has the same place in the same layout.
-        same_layout = manifest["world_size"] == dist.get_world_size() and manifest.get("layout") == self.layout
+        # Checkpoints from before pipeline parallelism have no "pp" in their layout: it was 1.
+        saved_layout = {"pp": 1, **manifest.get("layout", {})}
+        same_layout = manifest["world_size"] == dist.get_world_size() and saved_layout == {"pp": 1, **self.layout}
         if same_layout and rng_file.is_file():
             saved = torch.load(rng_file, weights_only=True)
             # Checkpoints written before per-rank state existed hold the bare RNG state.

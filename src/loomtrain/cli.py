@@ -1,8 +1,9 @@
-"""Command line: ``loomtrain train`` and ``loomtrain generate``.
+"""Command line: ``loomtrain train``, ``loomtrain generate`` and ``loomtrain report``.
 
     loomtrain train --config configs/shakespeare_char.toml --nproc 2 [--section.key=value ...]
     torchrun --nproc-per-node 8 -m loomtrain.cli train --config configs/x.toml
     loomtrain generate --run runs/shakespeare_char --prompt "ROMEO:" --max-new-tokens 300
+    loomtrain report runs/shakespeare_char [--step 100]
 
 Every check that can fail on user input runs here, before any process is launched or any
 file written; a failure prints one ``error:`` line and exits with status 2.
@@ -151,7 +152,28 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+def cmd_report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="loomtrain report",
+        description="Write a pipeline-parallel run's timeline as trace.json (Perfetto) and timeline.png.",
+    )
+    p.add_argument("run_dir", help="run directory, e.g. runs/shakespeare_char")
+    p.add_argument("--step", type=int, help="training step to show (default: the last one recorded)")
+    args = p.parse_args(argv)
+    from loomtrain.report import bubble_summary, load_timeline, write_report
+
+    try:
+        summary = bubble_summary(load_timeline(args.run_dir), args.step)
+        paths = write_report(args.run_dir, args.step)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    print(f"trace: {paths['trace']} (open at https://ui.perfetto.dev)")
+    print(f"gantt: {paths['gantt']}")
+    print(summary)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

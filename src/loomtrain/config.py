@@ -184,12 +184,29 @@ class ParallelConfig(_Section):
     and residuals hold a slice of the sequence). ``sequence_parallel_degree``: DeepSpeed-Ulysses
     (each rank holds a slice of the sequence; attention runs head-split after an all-to-all).
     See docs/tensor_parallel.md.
+
+    ``pipeline_parallel_degree``: pipeline ranks, each holding ``virtual_stages`` consecutive-layer
+    stages (stage ``s`` on pipeline rank ``s % pp``), run by ``pipeline_schedule``: ``gpipe``
+    (Huang et al. 2019), ``1f1b`` (PipeDream-Flush, Narayanan et al. 2019/2021) or
+    ``interleaved_1f1b`` (Narayanan et al. 2021 §2.2.2; needs ``virtual_stages >= 2``). Layers
+    are split by count (``pipeline_split="layers"``) or balanced by their measured forward and
+    backward time (``"time"``); ``stage_boundaries`` (the first layer of every stage but the
+    first) overrides both. See docs/pipeline.md.
     """
 
     data_parallel_degree: int = Field(-1, ge=-1)
     tensor_parallel_degree: int = Field(1, ge=1)
     sequence_parallel_degree: int = Field(1, ge=1)
     tp_mode: Literal["tensor_parallel", "sequence_parallel"] = "tensor_parallel"
+    pipeline_parallel_degree: int = Field(1, ge=1)
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = Field(1, ge=1)
+    pipeline_split: Literal["layers", "time"] = "layers"
+    stage_boundaries: list[int] = Field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return self.pipeline_parallel_degree * self.virtual_stages
 
     @model_validator(mode="after")
     def _dp_not_zero(self) -> ParallelConfig:
@@ -341,6 +358,44 @@ class Config(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _stages_fit(self) -> Config:
+        """The pipeline's stages: enough layers, a schedule that fits ``virtual_stages``,
+        explicit boundaries that split the layers, no embedding tied across stages."""
+        p, n_layers = self.parallel, self.model.n_layers
+        if p.pipeline_parallel_degree == 1 and p.virtual_stages == 1:
+            return self
+        if p.pipeline_parallel_degree == 1:
+            raise ValueError(
+                f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipeline_parallel_degree > 1 (virtual "
+                "stages interleave layers over pipeline ranks); set virtual_stages=1"
+            )
+        interleaved = p.pipeline_schedule == "interleaved_1f1b"
+        if interleaved != (p.virtual_stages > 1):
+            raise ValueError(
+                f"parallel.pipeline_schedule={p.pipeline_schedule!r} with parallel.virtual_stages={p.virtual_stages}: "
+                "virtual stages > 1 need 'interleaved_1f1b', and 'interleaved_1f1b' needs virtual_stages >= 2"
+            )
+        if n_layers < p.n_stages:
+            raise ValueError(
+                f"model.n_layers={n_layers} is fewer than the pipeline's {p.n_stages} stages (parallel."
+                f"pipeline_parallel_degree={p.pipeline_parallel_degree} × parallel.virtual_stages={p.virtual_stages}); "
+                "each stage needs at least one layer"
+            )
+        bounds = p.stage_boundaries
+        if bounds and (len(bounds) != p.n_stages - 1 or bounds != sorted(set(bounds)) or not 0 < bounds[0]
+                       or bounds[-1] >= n_layers):  # fmt: skip
+            raise ValueError(
+                f"parallel.stage_boundaries={bounds} must be {p.n_stages - 1} strictly increasing layer indices "
+                f"in 1..{n_layers - 1} (the first layer of every stage after the first)"
+            )
+        if self.model.tie_embeddings and p.pipeline_parallel_degree > 1:
+            raise ValueError(
+                "model.tie_embeddings=true with parallel.pipeline_parallel_degree > 1 is not supported: the "
+                "embedding and the output head live on different pipeline stages; set model.tie_embeddings=false"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
@@ -349,7 +404,8 @@ class Config(_Section):
         """Check the batch layout for ``dp`` data-parallel ranks.
 
         Raises:
-            ConfigError: global batch not divisible by dp × micro-batch.
+            ConfigError: global batch not divisible by dp × micro-batch; an interleaved pipeline
+                schedule whose micro-batches per step are not a multiple of the pipeline degree.
         """
         t = self.training
         per_step = dp * t.micro_batch_size
@@ -357,6 +413,13 @@ class Config(_Section):
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by the data-parallel degree "
                 f"{dp} × training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
+            )
+        p, m = self.parallel, self.grad_accum_steps(dp)
+        if p.pipeline_schedule == "interleaved_1f1b" and m % p.pipeline_parallel_degree:
+            raise ConfigError(
+                f"parallel.pipeline_schedule='interleaved_1f1b' needs the micro-batches per step ({m} = "
+                f"training.global_batch_size / (dp {dp} × training.micro_batch_size)) to be a multiple of "
+                f"parallel.pipeline_parallel_degree={p.pipeline_parallel_degree}; change the batch sizes"
             )
 
     def grad_accum_steps(self, dp: int) -> int:

@@ -53,6 +53,7 @@ def clip_grad_norm_(
     max_norm: float,
     reduce_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so the global L2 norm of the full gradient is at most
     ``max_norm``, by ``min(1, max_norm / (norm + 1e-6))`` (the rule of
@@ -63,15 +64,17 @@ def clip_grad_norm_(
     (tensor parallelism: their squares are summed over it), ``replicated`` ones are the same
     on every tp rank (counted once). With ``reduce_group`` (ZeRO: each rank holds other rows
     of every tensor) both sums of squares are first summed over that group: one all-reduce of
-    two floats, and one of one float over tp.
+    two floats, and one of one float over tp. With ``pp_group`` (pipeline: each rank holds other
+    layers) both are then summed over the pipeline ranks too.
     """
     grads = sharded + replicated
     squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
     for i, part in enumerate((sharded, replicated)):
         for g in part:
             squares[i] += g.float().pow(2).sum()
-    if reduce_group is not None:
-        dist.all_reduce(squares, group=reduce_group)
+    for group in (reduce_group, pp_group):
+        if group is not None:
+            dist.all_reduce(squares, group=group)
     if tp_group is not None:
         shard_sum = squares[:1].clone()
         dist.all_reduce(shard_sum, group=tp_group)

@@ -6,7 +6,6 @@ spawn helper); one process is also fine.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -143,31 +142,18 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.dtype == "bf16")
 
 
-def micro_batch_loss(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor, cfg: Config, device) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) of this rank's tokens of one micro-batch;
-    x, y: [micro_batch, seq_len]."""
-    with autocast(cfg, device):
-        return pm.loss(x.to(device), y.to(device))
-
-
 def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device) -> float:
-    """One optimizer step over this rank's micro-batches; returns the rank's mean loss.
+    """One optimizer step over this rank's micro-batches; returns the mean loss.
 
-    Only the last micro-batch's backward communicates (the others run under ``no_sync``),
-    then the averaged gradient is clipped by its global norm and applied. With ZeRO the loss
-    is multiplied by the fp16 loss scale (1 otherwise) and the synchronizer unscales and clips
-    its gradient shards; a step with inf/nan gradients is skipped.
+    Forward and backward go through ``pm`` (only the last backward of each stage
+    communicates), then the averaged gradient is clipped by its global norm and applied. With
+    ZeRO the loss is multiplied by the fp16 loss scale (1 otherwise) and the synchronizer
+    unscales and clips its gradient shards; a step with inf/nan gradients is skipped.
     """
     sync = pm.sync
     zero = isinstance(sync, ZeroSynchronizer)
     scale = sync.loss_scale if zero else 1.0
-    total = 0.0
-    last = len(micro_batches) - 1
-    for i, (x, y) in enumerate(micro_batches):
-        with sync.no_sync() if i < last else contextlib.nullcontext():
-            loss = micro_batch_loss(pm, x, y, cfg, device)
-            (loss * scale / len(micro_batches)).backward()
-        total += loss.item()
+    loss = pm.forward_backward(micro_batches, scale, lambda: autocast(cfg, device), device)
     sync.finish_gradient_sync()
     if zero:
         step_ok = sync.unscale_and_clip_(cfg.training.grad_clip)
@@ -178,7 +164,7 @@ def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device)
     if step_ok:
         optimizer.step()
     sync.zero_grad()
-    return total / len(micro_batches)
+    return loss
 
 
 def mean_over_ranks(value: float, device: torch.device, group=None) -> float:
@@ -201,7 +187,7 @@ def evaluate(pm: ParallelModel, data: Data, cfg: Config, device) -> float:
         dims.dp_rank,
         dims.dp,
     )
-    local = sum(micro_batch_loss(pm, x, y, cfg, device).item() for x, y in batches) / len(batches)
+    local = pm.eval_loss(batches, lambda: autocast(cfg, device), device)
     pm.model.train()
     return mean_over_ranks(local, device, dims.grad_mesh.get_group())
 
@@ -277,7 +263,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), self.device.type)
         self.rank0 = dist.get_rank() == 0
         check_launch(cfg, self.dims.world_size)
-        layout = {"dp": self.dims.dp, "sp": self.dims.sp, "tp": self.dims.tp,
+        layout = {"pp": self.dims.pp, "dp": self.dims.dp, "sp": self.dims.sp, "tp": self.dims.tp,
                   "zero_stage": cfg.data_parallel.zero_stage}  # fmt: skip
         self.ckpt = CheckpointManager(
             cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save, layout
@@ -350,10 +336,12 @@ class Trainer:
         world = self.dims.world_size
         # Every device shares the step's FLOPs equally, whatever the mix of dp, sp and tp.
         self.train_traffic: Counter[str] = Counter()
+        self.bubbles: list[float] = []  # measured per pipelined step (see PipelineExecutor)
+        self.bubbles_logged = 0
         self.speed = Throughput(t.global_batch_size * t.seq_len // world, fpt, peak, world)
         self.metrics.message(
             f"loomtrain: {self.n_params:,} parameters, world size {world} "
-            f"(dp {self.dims.dp}, sp {self.dims.sp}, tp {self.dims.tp}), "
+            f"(pp {self.dims.pp}, dp {self.dims.dp}, sp {self.dims.sp}, tp {self.dims.tp}), "
             f"{cfg.grad_accum_steps(self.dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
             f"{fpt / 1e6:.2f} MFLOP/token, device peak {peak / 1e9:.1f} GFLOP/s"
         )
@@ -370,6 +358,8 @@ class Trainer:
             self.speed.add(time.perf_counter() - start)
             for axis, nbytes in self.pm.traffic.snapshot().items():
                 self.train_traffic[axis] += nbytes - sent.get(axis, 0)
+            if self.pm.pipeline is not None:
+                self.bubbles.append(self.pm.pipeline.last_record.bubble_fraction)
             self.step += 1
             self.metrics.advance()
             eval_now = self.step % t.eval_interval == 0 or self.step == t.steps
@@ -413,6 +403,10 @@ class Trainer:
         loss = mean_over_ranks(local_loss, self.device, self.dims.grad_mesh.get_group())
         record = {"loss": loss, "lr": lr_at(self.step - 1, self.cfg.training), **self.speed.report()}
         record.update({f"comm_bytes_{axis}": v for axis, v in self._comm_bytes_per_step().items()})
+        if self.bubbles[self.bubbles_logged :]:
+            window = self.bubbles[self.bubbles_logged :]
+            record["bubble_fraction"] = sum(window) / len(window)
+            self.bubbles_logged = len(self.bubbles)
         if eval_now:
             val_loss = record["val_loss"] = evaluate(self.pm, self.data, self.cfg, self.device)
             self.metrics.message(f"step {self.step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
@@ -442,6 +436,13 @@ class Trainer:
         }
         if self._scaler is not None:
             summary["loss_scale"] = self._scaler.scale
+        if self.bubbles:
+            # The first step of a process also agrees the transfer shapes: not a steady-state step.
+            steady = self.bubbles[1:] or self.bubbles
+            summary["bubble_fraction"] = sum(steady) / len(steady)
+            if self.rank0:
+                timeline = self.pm.pipeline.timeline(self.step)
+                (self.cfg.run_dir / "timeline.json").write_text(json.dumps(timeline))
         self._close_records()
         self.sync.remove()
         full_model = self.pm.full_model()
@@ -452,8 +453,8 @@ class Trainer:
 
     def _comm_bytes_per_step(self) -> dict[str, float]:
         """Bytes this rank sent per training step, per mesh axis: ``dp`` (gradient reduction over
-        the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations). Evaluation
-        forwards are not counted."""
+        the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations), ``pp``
+        (activations and their gradients between stages). Evaluation forwards are not counted."""
         steps = max(1, self.speed.total[0])
         sent = {"dp": self.sync.hook.bytes_sent, **self.train_traffic}
         return {axis: nbytes / steps for axis, nbytes in sent.items()}

@@ -139,7 +139,7 @@ def block_traffic(sp: bool) -> int:
     model, traffic = Transformer(BASE), Traffic()
     apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp, traffic=traffic)
     h = seq_part(torch.randn(B, S, BASE.dim), sp).requires_grad_()
-    model.layers[0](h, model.rope_cos[:S], model.rope_sin[:S]).sum().backward()
+    model.layers["0"](h, model.rope_cos[:S], model.rope_sin[:S]).sum().backward()
     return traffic.bytes["tp"]
 
 

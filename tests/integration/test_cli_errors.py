@@ -58,6 +58,25 @@ CASES = {
         ["--parallel.sequence_parallel_degree=3", "--training.seq_len=32"],
         ["training.seq_len=32", "parallel.sequence_parallel_degree=3"],
     ),
+    "interleaved_micro_batches_not_multiple_of_pp": (
+        [
+            "--nproc",
+            "2",
+            "--parallel.pipeline_parallel_degree=2",
+            "--parallel.pipeline_schedule=interleaved_1f1b",
+            "--parallel.virtual_stages=2",
+            "--training.micro_batch_size=4",
+        ],
+        ["micro-batches per step (3", "pipeline_parallel_degree=2"],
+    ),
+    "fewer_layers_than_stages": (
+        ["--parallel.pipeline_parallel_degree=8"],
+        ["model.n_layers=4", "8 stages"],
+    ),
+    "tied_embedding_across_stages": (
+        ["--parallel.pipeline_parallel_degree=2", "--model.tie_embeddings=true"],
+        ["model.tie_embeddings", "pipeline_parallel_degree"],
+    ),
     "world_not_divisible_by_tp": (
         ["--nproc", "3", "--parallel.tensor_parallel_degree=2"],
         ["world size 3", "tensor_parallel_degree=2"],

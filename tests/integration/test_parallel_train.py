@@ -1,5 +1,5 @@
-"""The training loop with tensor and sequence parallelism composed with data parallelism and
-ZeRO on one mesh, against a single process on the same global batches.
+"""The training loop with pipeline, tensor and sequence parallelism composed with data
+parallelism and ZeRO on one mesh, against a single process on the same global batches.
 
 Tolerance: 1e-4 relative on each of 10 steps' losses (fp32). The parallel runs sum the same
 numbers in other orders (all-reduces over tp and dp, a vocab-parallel log-sum-exp), and ten
@@ -61,6 +61,8 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
             ["--model.n_heads=4", "--parallel.tensor_parallel_degree=2", "--parallel.sequence_parallel_degree=2"],
         ),
         ("dp2_tp2_zero3", 4, ["--parallel.tensor_parallel_degree=2", "--data_parallel.zero_stage=3"]),
+        ("pp2_dp2_zero1", 4, ["--parallel.pipeline_parallel_degree=2", "--data_parallel.zero_stage=1"]),
+        ("pp2_tp2_dp2", 8, ["--parallel.pipeline_parallel_degree=2", "--parallel.tensor_parallel_degree=2"]),
         (
             "dp2_tp2_megatron_sp_zero2",
             4,
@@ -73,26 +75,35 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     ],
 )
 def test_parallel_losses_equal_single_process(tmp_path, reference, name, world, extra):
-    """Catches: any tensor- or sequence-parallel gradient or loss that differs from the
-    single-process model's, or gradients averaged over the wrong ranks (dp only instead of
-    dp × sp)."""
+    """Catches: any pipeline-, tensor- or sequence-parallel gradient or loss that differs from
+    the single-process model's, gradients averaged over the wrong ranks (dp only instead of
+    dp × sp, or across pipeline ranks), or a loss reported from a stage other than the last."""
     summary = train(world, tmp_path, name, *extra)
     assert_close(losses(tmp_path / name), reference(*(x for x in extra if x.startswith("--model."))))
     by_axis = summary["comm_bytes_per_step_by_axis"]
     for axis, degree in (("tp", "tensor_parallel_degree"), ("sp", "sequence_parallel_degree")):
         if f"--parallel.{degree}=2" in extra:
             assert by_axis[axis] > 0, axis
+    if "--parallel.pipeline_parallel_degree=2" in extra:
+        assert 0 < summary["bubble_fraction"] < 1
+        assert (tmp_path / name / "timeline.json").is_file()
+        # Rank 0 holds the first stage: per step it sends each micro-batch's [2, 32, 32] fp32 activations.
+        dp = world // 2 // (2 if "--parallel.tensor_parallel_degree=2" in extra else 1)
+        micro_batches = 8 // (dp * 2)
+        assert by_axis["pp"] == micro_batches * 2 * 32 * 32 * 4
 
 
-def test_tensor_parallel_checkpoint_resumes_on_one_process(tmp_path, reference):
+@pytest.mark.parametrize("axis, degree", [("tp", "tensor_parallel_degree"), ("pp", "pipeline_parallel_degree")])
+def test_two_way_checkpoint_resumes_on_one_process(tmp_path, reference, axis, degree):
     """Catches: tensor-parallel shards saved as if replicated (DCP would keep one rank's
-    shard), or optimizer moments that do not reshard: the resumed single-process run would
-    not continue the tp = 2 run's losses."""
-    train(2, tmp_path, "tp2", "--parallel.tensor_parallel_degree=2")
-    checkpoint = tmp_path / "tp2" / "checkpoints" / "step_00000005"
-    summary = train(1, tmp_path, "tp1", f"--checkpoint.resume={checkpoint}")
+    shard), optimizer moments that do not reshard, or pipeline stages saving parameters under
+    stage-local names: the resumed single-process run would not continue the 2-way run's
+    losses."""
+    train(2, tmp_path, f"{axis}2", f"--parallel.{degree}=2")
+    checkpoint = tmp_path / f"{axis}2" / "checkpoints" / "step_00000005"
+    summary = train(1, tmp_path, "one", f"--checkpoint.resume={checkpoint}")
     assert summary["start_step"] == 5
-    resumed = losses(tmp_path / "tp1")
+    resumed = losses(tmp_path / "one")
     assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert manifest["layout"]["tp"] == 2
+    assert manifest["layout"][axis] == 2

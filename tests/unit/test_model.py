@@ -47,7 +47,7 @@ def test_tied_output_is_the_embedding_parameter_and_counted_once():
 
 def test_grouped_query_attention_runs_and_has_fewer_params():
     full, grouped = build(tiny()), build(tiny(n_kv_heads=1))
-    assert grouped.layers[0].attention.wk.weight.shape == (8, 32)
+    assert grouped.layers["0"].attention.wk.weight.shape == (8, 32)
     assert grouped(torch.randint(0, 32, (2, 16))).shape == (2, 16, 32)
     head_dim = 8
     assert count_params(full) - count_params(grouped) == 2 * 2 * 32 * (4 - 1) * head_dim
@@ -68,13 +68,13 @@ def test_same_seed_gives_identical_weights_and_other_seed_does_not():
     a, b, c = build(tiny(), 1), build(tiny(), 1), build(tiny(), 2)
     for name, tensor in a.state_dict().items():
         torch.testing.assert_close(tensor, b.state_dict()[name], rtol=0, atol=0)
-    assert not torch.equal(a.layers[0].attention.wq.weight, c.layers[0].attention.wq.weight)
+    assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
 
 
 def test_residual_projections_start_smaller_than_other_linears():
     cfg = tiny(dim=256, n_layers=8, ffn_hidden_dim=512)
     model = build(cfg)
-    layer = model.layers[0]
+    layer = model.layers["0"]
     expected = 0.02 / (2 * cfg.n_layers) ** 0.5
     assert layer.attention.wo.weight.std().item() == pytest.approx(expected, rel=0.05)
     assert layer.feed_forward.w2.weight.std().item() == pytest.approx(expected, rel=0.05)

@@ -4,6 +4,9 @@ Every other module asks this object for ranks and groups instead of doing rank a
 Mesh axes, outermost first; the innermost axes talk most, so they get adjacent ranks (on
 one node, the fastest links):
 
+- ``pp``: pipeline parallel. Each pipeline rank holds some of the layers (its stages) and
+  sends activations to the next rank, gradients to the previous one: the least traffic, so
+  outermost (across nodes when there are several).
 - ``dp``: data parallel. Replicas (ZeRO stage 0) or shards (stages 1–3) of the model state;
   gradients are reduced over it. Each dp rank reads different micro-batches.
 - ``sp``: Ulysses sequence parallel (Jacobs et al. 2023): each rank holds a slice of the
@@ -13,8 +16,7 @@ one node, the fastest links):
 
 The ``sp`` ranks of one ``dp`` index hold the same parameters and different tokens, so
 gradients are reduced, and ZeRO shards model state, over ``dp`` and ``sp`` together: the
-flattened ``dp_sp`` axis (:attr:`ParallelDims.grad_mesh`). Pipeline parallelism will add a
-``pp`` axis outermost.
+flattened ``dp_sp`` axis (:attr:`ParallelDims.grad_mesh`), within one pipeline rank.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from loomtrain.config import ConfigError, ParallelConfig
 
-AXES = ("dp", "sp", "tp")
+AXES = ("pp", "dp", "sp", "tp")
 
 
 def shard_range(size: int, n: int, rank: int) -> tuple[int, int]:
@@ -54,7 +56,7 @@ def sharded_dtensor(
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees for ``world_size`` processes; ``dp × sp × tp == world_size``.
+    """Parallel degrees for ``world_size`` processes; ``pp × dp × sp × tp == world_size``.
 
     Raises:
         ConfigError: a degree below 1, or degrees that do not multiply to ``world_size``.
@@ -64,42 +66,46 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     sp: int = 1
+    pp: int = 1
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel_degree", self.dp), ("tensor_parallel_degree", self.tp),
-                            ("sequence_parallel_degree", self.sp)):  # fmt: skip
+                            ("sequence_parallel_degree", self.sp),
+                            ("pipeline_parallel_degree", self.pp)):  # fmt: skip
             if value < 1:
                 raise ConfigError(f"parallel.{name}={value} must be at least 1")
-        if self.dp * self.sp * self.tp != self.world_size:
+        product = self.pp * self.dp * self.sp * self.tp
+        if product != self.world_size:
             raise ConfigError(
-                f"parallel degrees dp={self.dp} × sp={self.sp} × tp={self.tp} = {self.dp * self.sp * self.tp} "
+                f"parallel degrees pp={self.pp} × dp={self.dp} × sp={self.sp} × tp={self.tp} = {product} "
                 f"do not multiply to the world size {self.world_size}; change parallel.* or the process count"
             )
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, device_type: str = "cpu") -> ParallelDims:
-        """Degrees from ``[parallel]``; ``data_parallel_degree=-1`` takes what tp and sp leave.
+        """Degrees from ``[parallel]``; ``data_parallel_degree=-1`` takes what pp, tp and sp leave.
 
         Raises:
-            ConfigError: the world size is not divisible by ``tp × sp``, or degrees mismatch.
+            ConfigError: the world size is not divisible by ``pp × tp × sp``, or degrees mismatch.
         """
-        tp, sp = cfg.tensor_parallel_degree, cfg.sequence_parallel_degree
+        tp, sp, pp = cfg.tensor_parallel_degree, cfg.sequence_parallel_degree, cfg.pipeline_parallel_degree
         dp = cfg.data_parallel_degree
         if dp == -1:
-            if world_size % (tp * sp):
+            if world_size % (pp * tp * sp):
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.tensor_parallel_degree={tp} × "
-                    f"parallel.sequence_parallel_degree={sp}; change the degrees or the process count"
+                    f"world size {world_size} is not divisible by parallel.pipeline_parallel_degree={pp} × "
+                    f"parallel.tensor_parallel_degree={tp} × parallel.sequence_parallel_degree={sp}; change the "
+                    "degrees or the process count"
                 )
-            dp = world_size // (tp * sp)
-        return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, device_type=device_type)
+            dp = world_size // (pp * tp * sp)
+        return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, pp=pp, device_type=device_type)
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The DeviceMesh with named axes ``("dp", "sp", "tp")``; built on first use (needs an
+        """The DeviceMesh with named axes ``("pp", "dp", "sp", "tp")``; built on first use (needs an
         initialised process group). Axes of size 1 are kept, so code never branches on them."""
-        return init_device_mesh(self.device_type, (self.dp, self.sp, self.tp), mesh_dim_names=AXES)
+        return init_device_mesh(self.device_type, (self.pp, self.dp, self.sp, self.tp), mesh_dim_names=AXES)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along ``axis`` (one of ``AXES``)."""
@@ -122,6 +128,20 @@ class ParallelDims:
         _ = self.grad_mesh  # the flattened dp_sp axis must exist before it can be sliced
         return self.mesh["dp_sp", "tp"]
 
+    @cached_property
+    def pp_groups(self) -> dict[str, dist.ProcessGroup]:
+        """Two process groups over this rank's pipeline ranks (same ``dp``, ``sp``, ``tp``
+        coordinates): ``"activation"`` (the mesh's ``pp`` group) and ``"gradient"`` (a second
+        group over the same ranks), so forward and backward transfers never share a channel;
+        see ``pipeline/p2p.py``. Collective: every rank must call it."""
+        lines = self.mesh.mesh.movedim(0, -1).reshape(-1, self.pp).tolist()
+        mine = None
+        for ranks in lines:
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return {"activation": self.group("pp"), "gradient": mine}
+
     def sequence_slice(self, seq_len: int) -> slice:
         """Positions ``[r·S/sp, (r+1)·S/sp)`` of a length-``seq_len`` sequence that this rank's
         ``sp`` coordinate ``r`` holds (all of them when ``sp == 1``).
@@ -142,3 +162,7 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.rank("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank("pp")

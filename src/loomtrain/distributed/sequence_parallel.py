@@ -147,5 +147,5 @@ def apply_ulysses(model: nn.Module, group: dist.ProcessGroup, traffic: Traffic |
     (``ParallelDims.sequence_slice``, which rejects an ``S`` not divisible by ``sp``), and
     averages gradients over ``group`` with the data-parallel ranks.
     """
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.attention.core = UlyssesAttention(layer.attention.core, group, traffic, axis)

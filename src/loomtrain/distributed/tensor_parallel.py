@@ -489,13 +489,13 @@ def apply_tensor_parallel(
     _check_divisible(model.cfg, dist.get_world_size(group))
     comm = {"sequence_parallel": sequence_parallel, "traffic": traffic, "axis": axis}
     shards: dict[str, int] = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():
         shards |= _split_module(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), ("wo",), group, comm)
         shards |= _split_module(layer.feed_forward, f"layers.{i}.feed_forward", ("w1", "w3"), ("w2",), group, comm)
         if sequence_parallel:
             all_reduce_grad_hook(layer.attention_norm.weight, group, traffic, axis)
             all_reduce_grad_hook(layer.ffn_norm.weight, group, traffic, axis)
-    if sequence_parallel:
+    if sequence_parallel and model.norm is not None:
         all_reduce_grad_hook(model.norm.weight, group, traffic, axis)
     return shards | _split_vocab(model, group, comm)
 
@@ -529,10 +529,15 @@ def _split_module(module: nn.Module, prefix: str, columns, rows, group, comm: di
 
 
 def _split_vocab(model: Transformer, group, comm: dict) -> dict[str, int]:
-    embedding = VocabParallelEmbedding.from_embedding(model.tok_embeddings, group, **comm)
-    if model.cfg.tie_embeddings:
-        output = ColumnParallelLinear(embedding.weight, group, **comm)
-    else:
-        output = ColumnParallelLinear.from_linear(model.output, group, **comm)
-    model.tok_embeddings, model.output = embedding, output
-    return {"tok_embeddings.weight": 0, "output.weight": 0}
+    # A pipeline stage may hold the embedding, the head, or neither (tied: both, on one stage).
+    shards = {}
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding.from_embedding(model.tok_embeddings, group, **comm)
+        shards["tok_embeddings.weight"] = 0
+    if model.output is not None:
+        if model.cfg.tie_embeddings:
+            model.output = ColumnParallelLinear(model.tok_embeddings.weight, group, **comm)
+        else:
+            model.output = ColumnParallelLinear.from_linear(model.output, group, **comm)
+        shards["output.weight"] = 0
+    return shards

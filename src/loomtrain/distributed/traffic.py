@@ -7,7 +7,8 @@ Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MP
 - all-reduce: ``2·(n−1)/n · M``
 - all-gather (``M`` = the full output): ``(n−1)/n · M``, i.e. each rank sends its part to n−1 ranks
 - reduce-scatter (``M`` = the full input): ``(n−1)/n · M``
-- all-to-all (``M`` = this rank's input): the bytes addressed to other ranks, exactly.
+- all-to-all (``M`` = this rank's input): the bytes addressed to other ranks, exactly;
+- point-to-point (pipeline activations and gradients): the bytes sent, exactly.
 
 A group of one rank sends nothing.
 """
@@ -49,6 +50,9 @@ class Traffic:
 
     def all_to_all(self, axis: str, sent_to_others_nbytes: int) -> None:
         self.bytes[axis] += sent_to_others_nbytes
+
+    def point_to_point(self, axis: str, nbytes: int) -> None:
+        self.bytes[axis] += nbytes
 
     def snapshot(self) -> dict[str, int]:
         """The totals so far, as a plain dict."""

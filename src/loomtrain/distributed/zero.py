@@ -167,8 +167,9 @@ class ZeroSynchronizer(LocalAccumulation):
 
     def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, stage: int,
                  mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None,
-                 tp: TensorParallelLayout | None = None):  # fmt: skip
+                 tp: TensorParallelLayout | None = None, pp_group: dist.ProcessGroup | None = None):  # fmt: skip
         self.mesh, self.stage, self.mp, self.hook, self.scaler, self.tp = mesh, stage, mp, hook, scaler, tp
+        self.pp_group = pp_group
         self.group = mesh.get_group()
         self.n, self.rank = mesh.size(), mesh.get_local_rank()
         self.units = self._build_units(module, blocks)
@@ -342,6 +343,8 @@ class ZeroSynchronizer(LocalAccumulation):
         unit.produced += 1
         if unit.produced < len(unit.slots):
             return
+        # Counted per backward: a pipeline runs several forwards before their backwards.
+        unit.produced = 0
         self._free(unit)
         if self._sync:
             unit.ready = True
@@ -412,9 +415,18 @@ class ZeroSynchronizer(LocalAccumulation):
             unit.ready = False
             self._free(unit)
         self._next_launch = 0
+        self._drop_prefetches()
         self.hook.on_step_end()
         if self.mp.reduce_dtype == torch.float32:
             self._set_master_grads()  # views of the reduced shards, no copy: nothing to defer
+
+    def _drop_prefetches(self) -> None:
+        """Wait out gathers prefetched but not used this step (a pipeline's last backward may
+        prefetch a block of another stage): the optimizer step makes their data stale."""
+        for unit in self.units:
+            if unit.pending is not None:
+                unit.pending[0].wait()
+                unit.pending = None
 
     def _set_master_grads(self) -> None:
         """Give each master without one an fp32 ``.grad`` from its unit's reduced shard (a view
@@ -455,7 +467,8 @@ class ZeroSynchronizer(LocalAccumulation):
         """
         self._set_master_grads()
         grads = self._local_grads()
-        groups = (self.group,) if self.tp is None else (self.group, self.tp.group)
+        groups = [self.group] + [g.group for g in (self.tp,) if g is not None]
+        groups += [self.pp_group] if self.pp_group is not None else []
         if self.scaler is not None and not self.scaler.unscale_and_check(grads, *groups):
             return False
         if max_norm > 0:
@@ -466,7 +479,8 @@ class ZeroSynchronizer(LocalAccumulation):
                         tp_split = self.tp is not None and slot.name in self.tp.shards
                         (sharded if tp_split else replicated).append(slot.master.grad.to_local())
             tp_group = self.tp.group if self.tp is not None else None
-            clip_grad_norm_(sharded, replicated, max_norm, reduce_group=self.group, tp_group=tp_group)
+            clip_grad_norm_(sharded, replicated, max_norm, reduce_group=self.group, tp_group=tp_group,
+                            pp_group=self.pp_group)  # fmt: skip
         return True
 
     def zero_grad(self) -> None:
@@ -522,6 +536,7 @@ def apply_zero(
     scaler: DynamicLossScaler | None = None,
     blocks: Sequence[nn.Module] | None = None,
     tp: TensorParallelLayout | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> ZeroSynchronizer:
     """Shard ``module``'s parameters over the 1-D data-parallel ``mesh``, in place (ZeRO ``stage``).
 
@@ -529,7 +544,8 @@ def apply_zero(
     at a time (default: ``module.layers``, the TransformerBlocks); the other parameters form
     one more unit. Build the optimizer afterwards on ``module.parameters()`` (the masters) and
     pass it to :meth:`ZeroSynchronizer.attach_optimizer`. ``tp``: the tensor-parallel split of
-    ``module``'s parameters, if any (``mesh`` is then ZeRO's axis of ``tp.mesh``).
+    ``module``'s parameters, if any (``mesh`` is then ZeRO's axis of ``tp.mesh``). ``pp_group``:
+    the pipeline ranks, which hold other layers: gradient norms and overflow checks span them.
 
     Raises:
         ValueError: ``stage`` not in 1..3, or a scalar (0-dim) parameter.
@@ -537,5 +553,10 @@ def apply_zero(
     if stage not in (1, 2, 3):
         raise ValueError(f"data_parallel.zero_stage={stage}; apply_zero needs 1, 2 or 3 (0 is plain data parallel)")
     broadcast_module(module, mesh.get_group())
-    blocks = list(getattr(module, "layers", [])) if blocks is None else list(blocks)
-    return ZeroSynchronizer(module, blocks, mesh, stage, mp or MixedPrecision(), hook or AllReduceHook(), scaler, tp)
+    blocks = list(module.layers.values()) if blocks is None else list(blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    if blocks and all(id(p) in in_blocks for p in module.parameters()):
+        # A pipeline stage with neither embedding nor head: its last block is the root unit.
+        blocks = blocks[:-1]
+    return ZeroSynchronizer(module, blocks, mesh, stage, mp or MixedPrecision(), hook or AllReduceHook(), scaler, tp,
+                            pp_group)  # fmt: skip

@@ -14,6 +14,7 @@ attention; Radford et al., GPT-2 (2019) §2.3 for the scaled residual initialisa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,8 @@ class Attention(nn.Module):
     projections' output, so a projection that gathers a sequence-sharded input (Megatron
     sequence parallelism) works too.
 
-    Shapes: ``x`` ``[B, S, dim]`` → ``[B, S, dim]``; ``cos``, ``sin`` ``[S, head_dim]``.
+    Shapes: ``x`` ``[B, S, dim]`` → ``[B, S, dim]``; ``cos``, ``sin`` ``[≥ S, head_dim]``, the
+    angles from the first position of ``x`` on (the first ``S`` are used).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -127,6 +129,7 @@ class Attention(nn.Module):
         q, k, v = (w(x) for w in (self.wq, self.wk, self.wv))
         batch, seq = q.shape[:2]
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
@@ -190,7 +193,9 @@ class Transformer(nn.Module):
             raise ValueError(f"model.vocab_size={cfg.vocab_size}; set it from the tokenizer before building the model")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        # Keyed by the layer's index in the whole model, so a pipeline stage that keeps only some
+        # layers still names them (and their checkpoint entries) as the whole model does.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -213,7 +218,7 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=INIT_STD)
-        for layer in self.layers:
+        for layer in self.layers.values():
             attn, ffn = layer.attention, layer.feed_forward
             for linear in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
                 nn.init.normal_(linear.weight, std=INIT_STD)
@@ -226,11 +231,18 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Logits for every position.
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, layers: Sequence[str] | None = None) -> torch.Tensor:
+        """Logits for every position, or the hidden states of a run over some layers.
 
+        ``tokens``: token ids ``LongTensor[B, S]`` (embedded first) or hidden states
+        ``[B, S, dim]`` from the layers before (passed straight to the first layer run).
         ``start_pos`` is the position of ``tokens[:, 0]`` in its sequence: 0 for a whole
         sequence, the slice's offset when a rank holds a slice of it (sequence parallelism).
+        ``layers``: keys of the blocks to run, in order (default: all blocks present). The
+        output head runs when the last block of the whole model was run and the head is present;
+        otherwise the hidden states ``[B, S, dim]`` are returned. A model whose ``tok_embeddings``,
+        ``norm`` and ``output`` were set to ``None`` and some of whose layers were deleted (a
+        pipeline stage) runs its part this way.
 
         Shapes: ``tokens`` ``LongTensor[B, S]`` → ``FloatTensor[B, S, vocab_size]``.
 
@@ -243,8 +255,13 @@ class Transformer(nn.Module):
                 f"input reaches position {end} but model.max_seq_len={self.cfg.max_seq_len}; "
                 "crop the input or raise model.max_seq_len"
             )
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        # From start_pos on: each attention takes as many positions as its projections give,
+        # which is more than x holds when x is a sequence slice that a projection gathers.
+        cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
+        keys = list(self.layers.keys()) if layers is None else list(layers)
+        for key in keys:
+            h = self.layers[key](h, cos, sin)
+        if self.output is None or (keys and keys[-1] != str(self.cfg.n_layers - 1)):
+            return h
         return self.output(self.norm(h))

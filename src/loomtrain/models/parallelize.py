@@ -2,23 +2,30 @@
 
 Order (each step sees the module the previous one produced):
 
-1. tensor parallelism on the ``tp`` axis (Megatron column/row linears, vocab-parallel
+1. pipeline split on the ``pp`` axis: the model is pruned to this rank's stages (layers, and
+   the embedding or head where they belong) before anything else, so no rank splits or
+   shards layers it does not hold;
+2. tensor parallelism on the ``tp`` axis (Megatron column/row linears, vocab-parallel
    embedding and head), with Megatron sequence parallelism if ``tp_mode="sequence_parallel"``;
-2. Ulysses sequence parallelism on the ``sp`` axis (each attention core wrapped in all-to-alls);
-3. data parallelism or ZeRO over the ranks that hold the same parameters: ``dp`` and ``sp``
+3. Ulysses sequence parallelism on the ``sp`` axis (each attention core wrapped in all-to-alls);
+4. data parallelism or ZeRO over the ranks that hold the same parameters: ``dp`` and ``sp``
    together (:attr:`ParallelDims.grad_mesh`), whose gradients are averaged.
 
-The returned :class:`ParallelModel` is what the training loop drives: the loss of a
-micro-batch (slicing the sequence for ``sp``, vocab-parallel cross-entropy for ``tp``), global
-gradient-norm clipping over shards, DTensor views of the tensor-parallel shards for
-checkpoints, and a full model for sampling.
+The returned :class:`ParallelModel` is what the training loop drives: forward and backward
+of a step's micro-batches (plainly, or through the pipeline schedule), the loss (slicing the
+sequence for ``sp``, vocab-parallel cross-entropy for ``tp``), global gradient-norm clipping
+over shards, DTensor views of the tensor-parallel shards for checkpoints, and a full model
+for sampling.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
@@ -26,6 +33,9 @@ from loomtrain.config import Config
 from loomtrain.distributed.data_parallel import CommHook, GradientSynchronizer, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import ParallelDims, sharded_dtensor
+from loomtrain.distributed.pipeline.executor import PipelineExecutor
+from loomtrain.distributed.pipeline.p2p import PipelineComm
+from loomtrain.distributed.pipeline.split import measure_layer_seconds, partition_layers, prune_to_rank
 from loomtrain.distributed.sequence_parallel import apply_ulysses
 from loomtrain.distributed.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from loomtrain.distributed.traffic import Traffic
@@ -43,7 +53,8 @@ class ParallelModel:
         sync: the gradient synchronizer (plain data parallel or ZeRO) over ``dims.grad_mesh``.
         dims: the layout.
         tp_shards: ``{parameter name: (dim split over tp, full shape)}`` for tensor-parallel shards.
-        traffic: bytes sent by tensor and sequence parallelism, per mesh axis.
+        traffic: bytes sent by tensor, sequence and pipeline parallelism, per mesh axis.
+        pipeline: the schedule executor when ``pp > 1``, else ``None``.
     """
 
     model: Transformer
@@ -51,20 +62,64 @@ class ParallelModel:
     dims: ParallelDims
     tp_shards: dict[str, tuple[int, torch.Size]]
     traffic: Traffic
+    pipeline: PipelineExecutor | None = None
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats) of this rank's tokens of a micro-batch.
+        """Mean next-token cross-entropy (nats) of this rank's tokens of a micro-batch (not
+        pipelined: the whole model is on this rank).
 
         ``x``, ``y``: ``LongTensor[micro_batch, seq_len]``, the whole sequences of this ``dp``
         rank; each ``sp`` rank takes its slice of positions. With ``tp > 1`` the logits are
         vocabulary shards and the loss is the vocab-parallel cross-entropy.
         """
         cut = self.dims.sequence_slice(x.shape[1])
-        logits = self.model(x[:, cut], start_pos=cut.start)
-        target = y[:, cut]
+        return self.logits_loss(self.model(x[:, cut], start_pos=cut.start), y[:, cut])
+
+    def logits_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) of ``logits`` ``[B, S, V or V/tp]`` against ``target`` ``[B, S]``."""
         if self.dims.tp > 1:
             return vocab_parallel_cross_entropy(logits.float(), target, self.dims.group("tp"), self.traffic)
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    def _pipeline_batches(self, micro_batches, device) -> tuple[list, int]:
+        cut = self.dims.sequence_slice(micro_batches[0][0].shape[1])
+        return [(x[:, cut].to(device), y[:, cut].to(device)) for x, y in micro_batches], cut.start
+
+    def forward_backward(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                         autocast: Callable, device: torch.device) -> float:  # fmt: skip
+        """Forward and backward of one step's micro-batches (``[(x, y)]``, each
+        ``LongTensor[micro_batch, seq_len]``), leaving the gradients of ``mean loss · scale`` to
+        be reduced; returns this rank's mean loss (nats). ``autocast()`` gives the compute
+        context.
+
+        Not pipelined: every micro-batch but the last runs under ``sync.no_sync()``, so only
+        the last backward communicates. Pipelined: the schedule runs them, and each stage's
+        last backward communicates.
+        """
+        if self.pipeline is not None:
+            batches, start = self._pipeline_batches(micro_batches, device)
+            return self.pipeline.train_step(batches, self.logits_loss, start, scale, self.sync, autocast)
+        total, last = 0.0, len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            with self.sync.no_sync() if i < last else contextlib.nullcontext():
+                with autocast():
+                    loss = self.loss(x.to(device), y.to(device))
+                (loss * scale / len(micro_batches)).backward()
+            total += loss.item()
+        return total / len(micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast: Callable,
+                  device: torch.device) -> float:  # fmt: skip
+        """Mean loss (nats) of ``batches`` (as for :meth:`forward_backward`), forwards only."""
+        if self.pipeline is not None:
+            batches, start = self._pipeline_batches(batches, device)
+            return self.pipeline.eval_step(batches, self.logits_loss, start, autocast)
+        total = 0.0
+        for x, y in batches:
+            with autocast():
+                total += self.loss(x.to(device), y.to(device)).item()
+        return total / len(batches)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the (already averaged) gradients so their global L2 norm is at most ``max_norm``
@@ -79,7 +134,8 @@ class ParallelModel:
             if p.grad is not None:
                 (sharded if name in self.tp_shards else replicated).append(p.grad)
         tp_group = self.dims.group("tp") if self.dims.tp > 1 else None
-        return clip_grad_norm_(sharded, replicated, max_norm, tp_group=tp_group)
+        pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
+        return clip_grad_norm_(sharded, replicated, max_norm, tp_group=tp_group, pp_group=pp_group)
 
     def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
         dim, shape = self.tp_shards[name]
@@ -118,15 +174,20 @@ class ParallelModel:
     @torch.no_grad()
     def full_model(self) -> Transformer:
         """A plain single-process model with the full parameters, on every rank (a collective
-        over ``tp``); the model itself when nothing is tensor-parallel. For sampling after
+        over ``tp`` and ``pp``); the model itself when nothing is split. For sampling after
         training; call ``sync.remove()`` first so ZeRO shards are whole again."""
-        if self.dims.tp == 1 and self.dims.sp == 1:
+        if self.dims.tp == 1 and self.dims.sp == 1 and self.dims.pp == 1:
             return self.model
         full = {
             name: self._as_dtensor(name, p.detach()).full_tensor() if name in self.tp_shards else p.detach()
             for name, p in self.model.named_parameters(remove_duplicate=False)
         }
         device = next(self.model.parameters()).device
+        if self.dims.pp > 1:
+            # Each pipeline rank holds other layers: every rank gets all of them (small models only).
+            parts: list[dict] = [{} for _ in range(self.dims.pp)]
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in full.items()}, group=self.dims.group("pp"))
+            full = {k: v.to(device) for part in parts for k, v in part.items()}
         plain = Transformer(self.model.cfg).to(device)
         plain.load_state_dict(full)
         return plain
@@ -143,6 +204,7 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
     """
     traffic = Traffic()
     tp_shards: dict[str, tuple[int, torch.Size]] = {}
+    stage_layers = split_pipeline(model, dims, cfg) if dims.pp > 1 else None
     if dims.tp > 1:
         # Every name a parameter is registered under: a tied head is split too.
         full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
@@ -159,6 +221,34 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
         mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
         scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
         tp = TensorParallelLayout(dims.grad_tp_mesh, tp_shards) if dims.tp > 1 else None
+        pp_group = dims.group("pp") if dims.pp > 1 else None
         sync = apply_zero(model, dims.grad_mesh, dp.zero_stage, mp, hook, scaler if dp.param_dtype == "fp16" else None,
-                          tp=tp)  # fmt: skip
-    return ParallelModel(model, sync, dims, tp_shards, traffic)
+                          tp=tp, pp_group=pp_group)  # fmt: skip
+    pipeline = None
+    if stage_layers is not None:
+        p = cfg.parallel
+        comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, next(model.parameters()).device, traffic)
+        pipeline = PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
+                                    p.virtual_stages, comm)  # fmt: skip
+    return ParallelModel(model, sync, dims, tp_shards, traffic, pipeline)
+
+
+def split_pipeline(model: Transformer, dims: ParallelDims, cfg: Config) -> dict[int, list[str]]:
+    """Cut ``model`` into ``pp × virtual_stages`` stages (by ``parallel.stage_boundaries``, by
+    measured layer time, or by count) and prune it, in place, to this rank's stages.
+
+    Returns:
+        ``{stage: [layer keys]}`` of this rank's stages.
+    """
+    p, t = cfg.parallel, cfg.training
+    costs = None
+    if p.pipeline_split == "time" and not p.stage_boundaries:
+        device = next(model.parameters()).device
+        tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), device=device,
+                               generator=torch.Generator(device).manual_seed(0))  # fmt: skip
+        # Every rank measures; the mean is the one split all agree on.
+        seconds = torch.tensor(measure_layer_seconds(model, tokens), dtype=torch.float64, device=device)
+        dist.all_reduce(seconds)
+        costs = (seconds / dims.world_size).tolist()
+    plan = partition_layers(cfg.model.n_layers, p.n_stages, p.stage_boundaries, costs)
+    return prune_to_rank(model, plan, dims.pp_rank, dims.pp)

@@ -1,0 +1,251 @@
+"""The one executor that runs any pipeline schedule: this rank's list of forward and backward
+actions, in order, with point-to-point transfers between stages.
+
+Before an action it waits for its input (an activation from the previous stage, or the
+gradient of its output from the next one); the receive was posted earlier when the channel's
+shape was already agreed, so the transfer overlaps the previous action's compute. After an
+action it starts sending its result and moves on. Every action's start and end are
+recorded; after the step the pipeline ranks exchange them (one all-gather, which also carries
+the loss from the last stage), giving the measured bubble: idle time over step time.
+
+Gradient synchronisation over data-parallel ranks happens once per step: every backward but
+the last one of each stage runs under ``sync.no_sync()``, and the last one of each stage lets
+the synchronizer's hooks reduce that stage's gradients (overlapping the remaining backwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from loomtrain.distributed.pipeline.p2p import PipelineComm
+from loomtrain.distributed.pipeline.schedule import (
+    Action,
+    bubble_fraction,
+    build_schedule,
+    forward_only_schedule,
+    stage_rank,
+    theoretical_bubble,
+)
+
+TIMELINE_FORMAT = "loomtrain-timeline-1"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepRecord:
+    """What one pipeline step measured, for every pipeline rank.
+
+    Attributes:
+        actions: per pipeline rank, its actions in execution order.
+        intervals: per pipeline rank, ``(start, end)`` wall-clock seconds (``time.time``) of each action.
+        bubble_fraction: mean over ranks of idle time / step time (see ``schedule.bubble_fraction``).
+    """
+
+    actions: list[list[Action]]
+    intervals: list[list[tuple[float, float]]]
+    bubble_fraction: float
+
+
+@dataclass
+class _Pending:
+    recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    posted: int = 0
+
+
+class PipelineExecutor:
+    """Runs a schedule's actions for one pipeline rank of a model pruned to its stages.
+
+    Args:
+        model: the rank's part of the model (see ``split.prune_to_rank``), called as
+            ``model(x, start_pos, layers=keys)`` per stage.
+        stage_layers: ``{stage: [layer keys]}`` for this rank's stages.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        n_micro: micro-batches per training step; ``pp``, ``v``: pipeline degree and virtual stages.
+        comm: the rank's :class:`PipelineComm`.
+
+    Raises:
+        ScheduleError: the schedule does not fit ``pp``, ``v`` and ``n_micro``.
+    """
+
+    def __init__(self, model: torch.nn.Module, stage_layers: dict[int, list[str]], schedule: str, n_micro: int,
+                 pp: int, v: int, comm: PipelineComm):  # fmt: skip
+        self.model, self.stage_layers, self.comm = model, stage_layers, comm
+        self.schedule_name, self.n_micro, self.pp, self.v = schedule, n_micro, pp, v
+        self.n_stages = pp * v
+        self.all_actions = build_schedule(schedule, pp, n_micro, v)
+        self.actions = self.all_actions[comm.pp_rank]
+        self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == "B"}
+        self.last_record: StepRecord | None = None
+
+    def _source(self, a: Action) -> tuple[str, int] | None:
+        """The receive an action waits for: (kind, from pp rank), or None."""
+        if a.kind == "F" and a.stage > 0:
+            return "activation", stage_rank(a.stage - 1, self.pp)
+        if a.kind == "B" and a.stage < self.n_stages - 1:
+            return "gradient", stage_rank(a.stage + 1, self.pp)
+        return None
+
+    def _post_until(self, actions: Sequence[Action], state: _Pending, limit: int, only_agreed: bool) -> None:
+        # Receives are posted strictly in action order: on each channel that is the sender's order.
+        while state.posted < min(limit, len(actions)):
+            a = actions[state.posted]
+            source = self._source(a)
+            if source is not None:
+                kind, src = source
+                if only_agreed and not self.comm.agreed(src, kind):
+                    return
+                state.recvs[(a.kind, a.stage, a.micro_batch)] = self.comm.recv(src, kind)
+            state.posted += 1
+
+    def _prefetch(self, actions: Sequence[Action], state: _Pending, i: int) -> None:
+        self._post_until(actions, state, i + 1, only_agreed=False)
+        nxt = next((j for j in range(i + 1, len(actions)) if self._source(actions[j]) is not None), None)
+        if nxt is not None:
+            self._post_until(actions, state, nxt + 1, only_agreed=True)
+
+    def _received(self, a: Action, state: _Pending) -> torch.Tensor:
+        work, buffer = state.recvs.pop((a.kind, a.stage, a.micro_batch))
+        work.wait()
+        return buffer
+
+    def train_step(
+        self,
+        micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        loss_fn: LossFn,
+        start_pos: int = 0,
+        scale: float = 1.0,
+        sync=None,
+        autocast=contextlib.nullcontext,
+    ) -> float:
+        """Forward and backward of ``micro_batches`` (``[(tokens, targets)]``, each
+        ``LongTensor[micro_batch, seq]``, this rank's sequence slice starting at ``start_pos``)
+        through the pipeline; the loss of the last stage's micro-batch is ``loss_fn(logits,
+        targets)``, and backward starts from ``loss · scale / n_micro``.
+
+        Returns the mean loss over micro-batches (on every pipeline rank); the step's timings
+        are in :attr:`last_record`.
+
+        Raises:
+            ValueError: ``len(micro_batches)`` differs from ``n_micro``.
+        """
+        if len(micro_batches) != self.n_micro:
+            raise ValueError(
+                f"the pipeline was built for {self.n_micro} micro-batches per step, got {len(micro_batches)}"
+            )
+        state, intervals, loss_sum = _Pending(), [], torch.zeros((), dtype=torch.float64)
+        for i, a in enumerate(self.actions):
+            self._prefetch(self.actions, state, i)
+            if a.kind == "F":
+                start, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=True)
+                if loss is not None:
+                    loss_sum += loss.detach().double().cpu()
+            else:
+                quiet = sync is not None and self.last_backward[a.stage] != i
+                with sync.no_sync() if quiet else contextlib.nullcontext():
+                    start = self._backward(a, state, scale / self.n_micro)
+            intervals.append((start, self._now()))
+        self.comm.finish_sends()
+        loss, self.last_record = self._exchange(self.actions, intervals, loss_sum, self.all_actions)
+        return loss / self.n_micro
+
+    @torch.no_grad()
+    def eval_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn,
+                  start_pos: int = 0, autocast=contextlib.nullcontext) -> float:  # fmt: skip
+        """Mean loss of ``micro_batches`` (any number) through the pipeline, forwards only
+        (``forward_only_schedule``); on every pipeline rank."""
+        all_actions = forward_only_schedule(self.pp, len(micro_batches), self.v)
+        actions = all_actions[self.comm.pp_rank]
+        state, intervals, loss_sum = _Pending(), [], torch.zeros((), dtype=torch.float64)
+        for i, a in enumerate(actions):
+            self._prefetch(actions, state, i)
+            start, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=False)
+            if loss is not None:
+                loss_sum += loss.double().cpu()
+            intervals.append((start, self._now()))
+        self.comm.finish_sends()
+        loss, _ = self._exchange(actions, intervals, loss_sum, all_actions)
+        return loss / len(micro_batches)
+
+    def _forward(self, a: Action, micro_batches, loss_fn: LossFn, start_pos: int, state: _Pending, autocast,
+                 train: bool) -> tuple[float, torch.Tensor | None]:  # fmt: skip
+        tokens, targets = micro_batches[a.micro_batch]
+        x = tokens if a.stage == 0 else self._received(a, state).requires_grad_(train)
+        start = self._now()
+        with autocast():
+            out = self.model(x, start_pos, layers=self.stage_layers[a.stage])
+            loss = loss_fn(out, targets) if a.stage == self.n_stages - 1 else None
+        if loss is None:
+            self.comm.send(out, stage_rank(a.stage + 1, self.pp), "activation")
+        if train:
+            state.saved[(a.stage, a.micro_batch)] = (x, out if loss is None else loss)
+        return start, loss
+
+    def _backward(self, a: Action, state: _Pending, loss_factor: float) -> float:
+        x, out = state.saved.pop((a.stage, a.micro_batch))
+        grad = None if a.stage == self.n_stages - 1 else self._received(a, state)
+        start = self._now()
+        if grad is None:
+            (out * loss_factor).backward()
+        else:
+            torch.autograd.backward(out, grad)
+        if a.stage > 0:
+            self.comm.send(x.grad, stage_rank(a.stage - 1, self.pp), "gradient")
+        return start
+
+    def timeline(self, step: int) -> dict:
+        """:attr:`last_record` as the run directory's ``timeline.json`` document (read by
+        ``loomtrain report``): every action's start and end in seconds from the step's first
+        action on any pipeline rank.
+
+        Raises:
+            RuntimeError: no training step has run yet.
+        """
+        record = self.last_record
+        if record is None:
+            raise RuntimeError("no pipeline step has run yet: nothing to put in a timeline")
+        origin = min(start for spans in record.intervals for start, _ in spans)
+        ranks = [
+            {
+                "pp_rank": r,
+                "global_rank": dist.get_global_rank(self.comm.groups["activation"], r),
+                "events": [{"kind": a.kind, "stage": a.stage, "micro_batch": a.micro_batch,
+                            "start": start - origin, "end": end - origin}
+                           for a, (start, end) in zip(actions, spans, strict=True)],
+            }
+            for r, (actions, spans) in enumerate(zip(record.actions, record.intervals, strict=True))
+        ]  # fmt: skip
+        theory = theoretical_bubble(self.schedule_name, self.pp, self.n_micro, self.v)
+        return {
+            "format": TIMELINE_FORMAT,
+            "schedule": self.schedule_name,
+            "pp": self.pp,
+            "virtual_stages": self.v,
+            "micro_batches": self.n_micro,
+            "steps": [{"step": step, "bubble_fraction": record.bubble_fraction, "theoretical_bubble": theory,
+                       "ranks": ranks}],
+        }  # fmt: skip
+
+    def _now(self) -> float:
+        if self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)  # an action's end is when its kernels end
+        return time.time()
+
+    def _exchange(self, actions, intervals, loss_sum, all_actions) -> tuple[float, StepRecord]:
+        """One all-gather over the pipeline ranks: every rank's action intervals and loss sum
+        (non-zero only on the rank holding the last stage)."""
+        mine = torch.tensor([*(t for span in intervals for t in span), loss_sum.item()], dtype=torch.float64)
+        mine = mine.to(self.comm.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.pp)]
+        dist.all_gather(gathered, mine, group=self.comm.groups["activation"])
+        per_rank = [g.cpu().tolist() for g in gathered]
+        spans = [list(zip(v[:-1:2], v[1:-1:2], strict=True)) for v in per_rank]
+        record = StepRecord(all_actions, spans, bubble_fraction(spans))
+        return sum(v[-1] for v in per_rank), record

@@ -1,0 +1,450 @@
+"""Pipeline schedules as data: which forward and backward each pipeline rank runs, in which order.
+
+Model of execution (the contract with the executor):
+
+- ``pp`` pipeline ranks hold ``v`` virtual stages (model chunks) each, ``S = pp * v`` stages in all.
+  Placement loops over the ranks: stage ``s`` lives on rank ``s % pp``, so rank ``r`` holds stages
+  ``r, r + pp, r + 2 pp, ...`` (its chunk ``c`` is stage ``c * pp + r``).
+- A step runs ``m`` micro-batches. Each rank runs its list of :class:`Action` strictly in order.
+- ``F`` on stage ``s > 0`` first receives the activation of ``(s - 1, mb)`` from rank ``(s - 1) % pp``
+  (blocking), computes, then sends its output to rank ``(s + 1) % pp`` if ``s < S - 1`` (non-blocking).
+  ``B`` on stage ``s < S - 1`` first receives the output gradient from rank ``(s + 1) % pp``
+  (blocking), computes, then sends the input gradient to rank ``(s - 1) % pp`` if ``s > 0``
+  (non-blocking). The last stage's ``B`` needs only its own ``F`` (the loss is local). Sender and
+  receiver on the same rank (only when ``pp == 1``) hand off locally, without a message.
+- Messages travel on channels ``(src_rank, dst_rank, kind)``, kind ``activation`` or ``gradient``.
+  NCCL point-to-point has no tags, so a channel pairs sends with receives in FIFO order: on every
+  channel the sequence of ``(stage, micro_batch)`` sent must equal the sequence received.
+
+Schedules:
+
+- ``gpipe``: Huang et al., "GPipe" (2019): all forwards, then all backwards.
+- ``1f1b``: PipeDream-Flush (Narayanan et al., "PipeDream", 2019; Narayanan et al., "Efficient
+  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, §2.2.1): a
+  warm-up of forwards, then one forward, one backward, then the remaining backwards. At most ``pp``
+  micro-batches are in flight on a rank instead of GPipe's ``m``.
+- ``interleaved_1f1b``: Narayanan et al. SC 2021 §2.2.2: 1F1B over ``v`` chunks per rank, which
+  divides the pipeline bubble by ``v`` at the price of ``v`` times more messages.
+
+:func:`check_schedule` proves a schedule complete, causal, deadlock-free and FIFO-consistent before
+anything runs; :func:`simulate` replays it with fixed compute times and zero communication time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# How many actions an error message lists before it says "...".
+_SHOWN = 6
+
+
+class ScheduleError(ValueError):
+    """A pipeline schedule that cannot run: a bad configuration, or an action list that is incomplete,
+    computes a backward before its forward, deadlocks, or pairs the wrong messages on a channel."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of pipeline work: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of micro-batch
+    ``micro_batch`` on stage ``stage``."""
+
+    kind: str
+    stage: int
+    micro_batch: int
+
+    def __str__(self) -> str:
+        """``"F3s1"``: forward of micro-batch 3 on stage 1."""
+        return f"{self.kind}{self.micro_batch}s{self.stage}"
+
+
+def stage_rank(stage: int, pp: int) -> int:
+    """The pipeline rank that holds ``stage`` under the looping placement (Megatron SC 2021 §2.2.2)."""
+    return stage % pp
+
+
+def rank_stages(rank: int, pp: int, v: int = 1) -> list[int]:
+    """The stages on pipeline ``rank``, chunk order: chunk ``c`` is stage ``c * pp + rank``."""
+    return [chunk * pp + rank for chunk in range(v)]
+
+
+def build_schedule(name: str, pp: int, n_micro: int, v: int = 1) -> list[list[Action]]:
+    """The action list of every pipeline rank for schedule ``name`` (one of :data:`SCHEDULES`).
+
+    Args:
+        name: ``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2019, SC 2021
+            §2.2.1) or ``interleaved_1f1b`` (Narayanan et al. SC 2021 §2.2.2).
+        pp: pipeline ranks. n_micro: micro-batches per step. v: virtual stages (chunks) per rank.
+
+    Returns:
+        ``pp`` lists of actions, rank ``r``'s list at index ``r``, already passed by :func:`check_schedule`.
+
+    Raises:
+        ScheduleError: unknown name; ``pp`` or ``n_micro`` below 1; ``v != 1`` without the
+            interleaved schedule; the interleaved schedule with ``v < 2`` or ``n_micro`` not a
+            multiple of ``pp``. The message names the config field to change.
+    """
+    _validate(name, pp, n_micro, v)
+    build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved}[name]
+    schedule = [build(rank, pp, n_micro, v) for rank in range(pp)]
+    check_schedule(schedule, pp, n_micro, v)
+    return schedule
+
+
+def forward_only_schedule(pp: int, n_micro: int, v: int = 1) -> list[list[Action]]:
+    """Forwards only, for evaluation: each rank runs its ``F`` sorted by ``(micro_batch, chunk)``.
+
+    Every ``F`` waits only on an ``F`` earlier in that order (a smaller micro-batch, or the same one
+    on an earlier stage), so the schedule cannot deadlock for any ``n_micro``, ``n_micro < pp`` included.
+
+    Raises:
+        ScheduleError: ``pp``, ``n_micro`` or ``v`` below 1.
+    """
+    _validate_sizes(pp, n_micro, v)
+    schedule = [
+        [Action("F", stage, mb) for mb in range(n_micro) for stage in rank_stages(rank, pp, v)] for rank in range(pp)
+    ]
+    check_schedule(schedule, pp, n_micro, v, forward_only=True)
+    return schedule
+
+
+def check_schedule(schedule: list[list[Action]], pp: int, n_micro: int, v: int = 1, forward_only: bool = False) -> None:
+    """Prove that ``schedule`` runs under the model of execution in the module docstring.
+
+    Args:
+        schedule: ``pp`` action lists, one per rank. forward_only: expect only ``F`` actions.
+
+    Raises:
+        ScheduleError: a rank holds an action of a stage it does not own; an action is missing,
+            duplicated or unexpected; a ``B`` precedes its ``F`` on its rank; a channel's send order
+            differs from its receive order; or the blocking-receive replay deadlocks (the message
+            says which rank waits at which action for what).
+    """
+    if len(schedule) != pp:
+        raise ScheduleError(f"the schedule has {len(schedule)} rank lists for parallel.pipeline_parallel_degree={pp}")
+    _check_placement(schedule, pp, v)
+    _check_complete(schedule, pp, n_micro, v, forward_only)
+    _check_forward_before_backward(schedule)
+    _check_channels(schedule, pp, v)
+    simulate(schedule, pp, v)
+
+
+def simulate(
+    schedule: list[list[Action]],
+    pp: int,
+    v: int = 1,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    stage_times: dict[tuple[str, int], float] | None = None,
+) -> list[list[tuple[Action, float, float]]]:
+    """Replay ``schedule`` event by event: blocking receives, non-blocking sends, zero communication time.
+
+    A rank's ``v`` chunks together are one model part, so every chunk's ``F`` takes ``forward_time / v``
+    and its ``B`` ``backward_time / v`` (any time unit), unless ``stage_times`` gives the duration of
+    ``(kind, stage)`` (e.g. measured means, for the ideal bubble of unequal stages). An action starts
+    once its rank is free and its inputs are done: ``F(s - 1, mb)`` for ``F(s, mb)``; ``F(s, mb)`` and,
+    below the last stage, ``B(s + 1, mb)`` for ``B(s, mb)``.
+
+    Returns:
+        Per rank, ``(action, start, end)`` in execution order.
+
+    Raises:
+        ScheduleError: the schedule deadlocks (which rank waits at which action for what).
+    """
+    n_stages = pp * v
+    duration = {(kind, stage): base / v for kind, base in (("F", forward_time), ("B", backward_time))
+                for stage in range(n_stages)}  # fmt: skip
+    duration.update(stage_times or {})
+    finished: dict[Action, float] = {}
+    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
+    progress = True
+    while progress:
+        # A list, not a generator: every rank gets its turn in each sweep.
+        progress = any(
+            [_run_ready(*lane, finished, duration, n_stages) for lane in zip(schedule, timeline, strict=True)]
+        )
+    waits = [
+        _waiting(rank, actions[len(timeline[rank])], finished, pp, n_stages)
+        for rank, actions in enumerate(schedule)
+        if len(timeline[rank]) < len(actions)
+    ]
+    if waits:
+        raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
+    return timeline
+
+
+def bubble_fraction(busy: list[list[tuple[float, float]]]) -> float:
+    """The mean over ranks of the idle share of the step window.
+
+    Args:
+        busy: per rank, ``(start, end)`` intervals of compute (any time unit, any order; overlapping
+            intervals of one rank count once). Measured wall-clock intervals are fine.
+
+    Returns:
+        With window ``[min start, max end]`` over all ranks: mean over ranks of
+        ``(window - busy time of the rank) / window``; 0.0 for an empty window.
+
+    Raises:
+        ValueError: no interval on any rank.
+    """
+    intervals = [interval for rank in busy for interval in rank]
+    if not intervals:
+        raise ValueError("bubble_fraction needs at least one busy interval")
+    window = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    if window <= 0:
+        return 0.0
+    return sum((window - _covered(rank)) / window for rank in busy) / len(busy)
+
+
+def theoretical_bubble(name: str, pp: int, n_micro: int, v: int = 1) -> float:
+    """The bubble fraction of schedule ``name`` with zero communication time.
+
+    ``gpipe`` and ``1f1b``: ``(p - 1) / (m + p - 1)``: each rank idles ``(p - 1)(t_f + t_b)`` in a step
+    of ``(m + p - 1)(t_f + t_b)`` (Huang et al. 2019; Narayanan et al. SC 2021 §2.2.1).
+    ``interleaved_1f1b``: ``(p - 1) / (v m + p - 1)``: the idle time shrinks to ``(p - 1)(t_f + t_b) / v``
+    (Narayanan et al. SC 2021 §2.2.2, where the bubble is divided by ``v``).
+
+    Raises:
+        ScheduleError: the same configurations :func:`build_schedule` refuses.
+    """
+    _validate(name, pp, n_micro, v)
+    return (pp - 1) / (v * n_micro + pp - 1)
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """The most micro-batches one rank holds activations for: ``F`` run and ``B`` not yet, counted per
+    ``(stage, micro_batch)``. 1F1B keeps it at most ``pp``; GPipe reaches ``m``."""
+    in_flight: set[tuple[int, int]] = set()
+    peak = 0
+    for action in actions:
+        if action.kind == "F":
+            in_flight.add((action.stage, action.micro_batch))
+        else:
+            in_flight.discard((action.stage, action.micro_batch))
+        peak = max(peak, len(in_flight))
+    return peak
+
+
+def format_schedule(schedule: list[list[Action]]) -> str:
+    """One line per rank, e.g. ``rank 0: F0s0 F1s0 B0s0 ...``, columns aligned across ranks."""
+    width = max((len(str(action)) for actions in schedule for action in actions), default=0)
+    label = len(str(len(schedule) - 1))
+    return "\n".join(
+        f"rank {rank:>{label}}: " + " ".join(f"{action!s:<{width}}" for action in actions).rstrip()
+        for rank, actions in enumerate(schedule)
+    )
+
+
+def _validate_sizes(pp: int, n_micro: int, v: int) -> None:
+    if pp < 1:
+        raise ScheduleError(f"parallel.pipeline_parallel_degree={pp} must be at least 1")
+    if v < 1:
+        raise ScheduleError(f"parallel.virtual_stages={v} must be at least 1")
+    if n_micro < 1:
+        raise ScheduleError(
+            f"the micro-batches per step ({n_micro}) must be at least 1; raise training.global_batch_size "
+            "or lower training.micro_batch_size"
+        )
+
+
+def _validate(name: str, pp: int, n_micro: int, v: int) -> None:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"parallel.pipeline_schedule={name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    _validate_sizes(pp, n_micro, v)
+    if name != "interleaved_1f1b" and v != 1:
+        raise ScheduleError(
+            f"parallel.virtual_stages={v} needs parallel.pipeline_schedule='interleaved_1f1b' (got {name!r})"
+        )
+    if name == "interleaved_1f1b" and v < 2:
+        raise ScheduleError(
+            f"parallel.pipeline_schedule='interleaved_1f1b' needs parallel.virtual_stages >= 2 (got {v}); "
+            "use '1f1b' for one stage per rank"
+        )
+    if name == "interleaved_1f1b" and n_micro % pp:
+        raise ScheduleError(
+            f"interleaved_1f1b needs the micro-batches per step ({n_micro}) to be a multiple of "
+            f"parallel.pipeline_parallel_degree={pp}; change training.global_batch_size or training.micro_batch_size"
+        )
+
+
+def _gpipe(rank: int, pp: int, n_micro: int, v: int) -> list[Action]:
+    return [Action("F", rank, mb) for mb in range(n_micro)] + [Action("B", rank, mb) for mb in range(n_micro)]
+
+
+def _one_f_one_b(rank: int, pp: int, n_micro: int, v: int) -> list[Action]:
+    # Rank r needs pp - r - 1 forwards in flight before the first gradient can come back from the
+    # last stage; capping by n_micro keeps n_micro < pp runnable.
+    forwards = [Action("F", rank, mb) for mb in range(n_micro)]
+    backwards = [Action("B", rank, mb) for mb in range(n_micro)]
+    return _warmup_steady_cooldown(forwards, backwards, min(pp - rank - 1, n_micro))
+
+
+def _interleaved(rank: int, pp: int, n_micro: int, v: int) -> list[Action]:
+    # Megatron SC 2021 §2.2.2: forwards go through the chunks in groups of pp micro-batches;
+    # backwards walk the chunks in reverse, so the gradient of a group meets its own activations.
+    total = n_micro * v
+    forwards = [Action("F", _chunk(k, pp, v) * pp + rank, _micro_batch(k, pp, v)) for k in range(total)]
+    backwards = [Action("B", (v - 1 - _chunk(k, pp, v)) * pp + rank, _micro_batch(k, pp, v)) for k in range(total)]
+    # Megatron's counts, kept so orders match the reference. In this model (non-blocking sends, zero
+    # communication time) a warm-up of (pp - r - 1) + (v - 1) * pp, and no special case for
+    # n_micro == pp, would give the same bubble with fewer activations in flight.
+    warmup = total if n_micro == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    return _warmup_steady_cooldown(forwards, backwards, warmup)
+
+
+def _chunk(k: int, pp: int, v: int) -> int:
+    return (k // pp) % v
+
+
+def _micro_batch(k: int, pp: int, v: int) -> int:
+    return (k // (pp * v)) * pp + k % pp
+
+
+def _warmup_steady_cooldown(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    actions = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards, strict=False):
+        actions += [forward, backward]
+    return actions + backwards[len(forwards) - warmup :]
+
+
+def _run_ready(
+    actions: list[Action],
+    done: list[tuple[Action, float, float]],
+    finished: dict[Action, float],
+    duration: dict[tuple[str, int], float],
+    n_stages: int,
+) -> bool:
+    """Run one rank's actions in order until one lacks an input; True if any ran."""
+    ran = False
+    while len(done) < len(actions):
+        action = actions[len(done)]
+        ready = [finished.get(dep) for dep in _inputs(action, n_stages)]
+        if None in ready:
+            break
+        start = max([done[-1][2] if done else 0.0, *ready])
+        finished[action] = start + duration[(action.kind, action.stage)]
+        done.append((action, start, finished[action]))
+        ran = True
+    return ran
+
+
+def _inputs(action: Action, n_stages: int) -> list[Action]:
+    """The actions whose results ``action`` consumes: its neighbour's message and, for a backward, its own forward."""
+    producer = _producer(action, n_stages)
+    inputs = [] if producer is None else [producer]
+    if action.kind == "B":
+        inputs.append(Action("F", action.stage, action.micro_batch))
+    return inputs
+
+
+def _producer(action: Action, n_stages: int) -> Action | None:
+    """The action on the neighbouring stage whose result ``action`` receives, if any."""
+    if action.kind == "F":
+        return Action("F", action.stage - 1, action.micro_batch) if action.stage > 0 else None
+    return Action("B", action.stage + 1, action.micro_batch) if action.stage < n_stages - 1 else None
+
+
+def _channel_kind(action: Action) -> str:
+    return "activation" if action.kind == "F" else "gradient"
+
+
+def _waiting(rank: int, action: Action, finished: dict[Action, float], pp: int, n_stages: int) -> str:
+    missing = [dep for dep in _inputs(action, n_stages) if dep not in finished]
+    reasons = [
+        f"{dep} on its own rank"
+        if stage_rank(dep.stage, pp) == rank
+        else f"the {_channel_kind(dep)} of {dep} from rank {stage_rank(dep.stage, pp)}"
+        for dep in missing
+    ]
+    return f"rank {rank} waits at {action} for " + " and ".join(reasons)
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals``."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _shown(actions: list[Action]) -> str:
+    text = " ".join(str(action) for action in actions[:_SHOWN])
+    return text + (" ..." if len(actions) > _SHOWN else "")
+
+
+def _check_placement(schedule: list[list[Action]], pp: int, v: int) -> None:
+    for rank, actions in enumerate(schedule):
+        owned = rank_stages(rank, pp, v)
+        for action in actions:
+            if action.kind not in ("F", "B"):
+                raise ScheduleError(f"rank {rank} holds {action} of unknown kind {action.kind!r}; use 'F' or 'B'")
+            if action.stage not in owned:
+                raise ScheduleError(f"rank {rank} holds {action} but owns only stages {owned}")
+
+
+def _check_complete(schedule: list[list[Action]], pp: int, n_micro: int, v: int, forward_only: bool) -> None:
+    kinds = ("F",) if forward_only else ("F", "B")
+    expected = {Action(kind, stage, mb) for kind in kinds for stage in range(pp * v) for mb in range(n_micro)}
+    counts = Counter(action for actions in schedule for action in actions)
+    problems = {
+        "missing": sorted(expected - counts.keys(), key=_order),
+        "duplicated": sorted((action for action, n in counts.items() if n > 1), key=_order),
+        "unexpected": sorted(counts.keys() - expected, key=_order),
+    }
+    found = [f"{what}: {_shown(actions)}" for what, actions in problems.items() if actions]
+    if found:
+        raise ScheduleError(f"the schedule for {n_micro} micro-batches over {pp * v} stages has " + "; ".join(found))
+
+
+def _order(action: Action) -> tuple[int, int, str]:
+    return (action.micro_batch, action.stage, action.kind)
+
+
+def _check_forward_before_backward(schedule: list[list[Action]]) -> None:
+    for rank, actions in enumerate(schedule):
+        seen: set[Action] = set()
+        for action in actions:
+            forward = Action("F", action.stage, action.micro_batch)
+            if action.kind == "B" and forward not in seen:
+                raise ScheduleError(f"rank {rank} runs {action} before {forward}")
+            seen.add(action)
+
+
+def _check_channels(schedule: list[list[Action]], pp: int, v: int) -> None:
+    """Compare, per channel, the producers in send order with the producers in receive order."""
+    n_stages = pp * v
+    sent: dict[tuple[int, int, str], list[Action]] = defaultdict(list)
+    received: dict[tuple[int, int, str], list[Action]] = defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            producer = _producer(action, n_stages)
+            if producer is not None and stage_rank(producer.stage, pp) != rank:
+                received[(stage_rank(producer.stage, pp), rank, _channel_kind(action))].append(producer)
+            consumer = _consumer(action, n_stages)
+            if consumer is not None and stage_rank(consumer.stage, pp) != rank:
+                sent[(rank, stage_rank(consumer.stage, pp), _channel_kind(action))].append(action)
+    for channel in sorted(sent.keys() | received.keys()):
+        sends, receives = sent[channel], received[channel]
+        if sends != receives:
+            src, dst, kind = channel
+            first = _first_difference(sends, receives)
+            raise ScheduleError(
+                f"channel rank {src} -> rank {dst} ({kind}) pairs messages in FIFO order (NCCL has no tags), but "
+                f"from message {first} on rank {src} sends the outputs of {_shown(sends[first:])} while rank {dst} "
+                f"expects those of {_shown(receives[first:])}"
+            )
+
+
+def _first_difference(a: list[Action], b: list[Action]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _consumer(action: Action, n_stages: int) -> Action | None:
+    """The action on the neighbouring stage that receives the result of ``action``, if any."""
+    if action.kind == "F":
+        return Action("F", action.stage + 1, action.micro_batch) if action.stage < n_stages - 1 else None
+    return Action("B", action.stage - 1, action.micro_batch) if action.stage > 0 else None
