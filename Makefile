@@ -22,7 +22,7 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/loomtrain train --config configs/shakespeare_char.toml --nproc $(NPROC) --overwrite $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow" --durations=15
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q

@@ -262,18 +262,17 @@ class CheckpointManager:
         """Load ``path`` into ``model`` and ``optimizer`` in place (resharding as DCP does);
         restore this rank's RNG and ``rank_state`` if the checkpoint was written at the same
         world size and layout (else a warning). ``sharding``: as for :meth:`save`."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        _check_same_keys(path, model_sd)
-        if sharding is not None:
-            sharding.wrap_state_dicts(model_sd, optim_sd)
-        app = {"model": model_sd, "optim": optim_sd, "train": ""}
-        dcp.load(app, checkpoint_id=path)
-        if sharding is not None:
-            sharding.unwrap_state_dicts(app["model"], app["optim"])
-        set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
+        train = json.loads(_load_states(path, model, optimizer, sharding))
+        return TrainState(
+            step=int(train["step"]), loader=train["loader"], extra=train.get("extra", {}),
+            rank_state=self._load_rank_state(path),
+        )  # fmt: skip
+
+    def _load_rank_state(self, path: Path) -> dict[str, Any]:
+        """This rank's RNG (restored here) and ``rank_state``, if the checkpoint was written at
+        the same world size and layout; else empty, with a warning."""
         rng_file = path / f"rank_{dist.get_rank():05d}.pt"
         manifest = read_manifest(path)
-        rank_state: dict[str, Any] = {}
         # Rank r's own state means the same thing only if rank r has the same place in the same layout.
         # Checkpoints from before pipeline parallelism have no "pp" in their layout: it was 1.
         saved_layout = {"pp": 1, **manifest.get("layout", {})}
@@ -282,25 +281,47 @@ class CheckpointManager:
             saved = torch.load(rng_file, weights_only=True)
             # Checkpoints written before per-rank state existed hold the bare RNG state.
             _set_rng_state(saved.get("rng", saved))
-            rank_state = saved.get("rank_state", {})
-        elif not same_layout and dist.get_rank() == 0:
+            return saved.get("rank_state", {})
+        if not same_layout and dist.get_rank() == 0:
             log.warning(
                 "checkpoint %s was written by %d ranks with layout %s, this run has %d with %s: per-rank state "
                 "(RNG, error-feedback residuals) starts afresh",
                 path, manifest["world_size"], manifest.get("layout"), dist.get_world_size(), self.layout,
             )  # fmt: skip
-        train = json.loads(app["train"])
-        return TrainState(
-            step=int(train["step"]), loader=train["loader"], extra=train.get("extra", {}), rank_state=rank_state
-        )
+        return {}
 
 
-def _check_same_keys(path: Path, model_sd: dict) -> None:
+def _load_states(path: Path, model, optimizer, sharding: StateDictSharding | None) -> str:
+    """Load the model's parameters and the optimizer's state from ``path`` in place; returns
+    the saved training state (JSON).
+
+    The optimizer's hyperparameters (``param_groups``) are this run's, not the checkpoint's:
+    they come from the config (the learning rate from the schedule at every step), and under
+    pipeline parallelism each rank's groups list other parameters while DCP keeps one copy.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Pipeline ranks hold different parameters: together they must hold what was saved.
+    wanted: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(wanted, sorted(model_sd))
+    _check_same_keys(path, {key for keys in wanted for key in keys})
+    if sharding is not None:
+        sharding.wrap_state_dicts(model_sd, optim_sd)
+    app = {"model": model_sd, "optim": {"state": optim_sd["state"]}, "train": ""}
+    dcp.load(app, checkpoint_id=path)
+    app["optim"]["param_groups"] = optim_sd["param_groups"]
+    if sharding is not None:
+        sharding.unwrap_state_dicts(app["model"], app["optim"])
+    set_state_dict(model, optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
+    return app["train"]
+
+
+def _check_same_keys(path: Path, wanted: set[str]) -> None:
     """DCP loads whatever subset of keys is asked for; a model of another shape would load
-    silently half-filled, so the saved and wanted parameter names must match exactly."""
+    silently half-filled, so the saved parameter names and ``wanted`` (those of the whole
+    model, over all ranks) must match exactly."""
     saved = {k.removeprefix("model.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
     saved = {k for k in saved if not k.startswith(("optim.", "train"))}
-    missing, extra = sorted(set(model_sd) - saved), sorted(saved - set(model_sd))
+    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
     if missing or extra:
         raise ValueError(
             f"checkpoint {path} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]} "
@@ -312,7 +333,7 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     """Load only the model's weights from a checkpoint, in one process (no process group),
     e.g. for generation."""
     state = {"model": model.state_dict()}
-    _check_same_keys(path, state["model"])
+    _check_same_keys(path, set(state["model"]))
     with warnings.catch_warnings():
         # DCP warns that no process group exists; loading in one process is the intent here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -363,13 +363,17 @@ class Config(_Section):
         """The pipeline's stages: enough layers, a schedule that fits ``virtual_stages``,
         explicit boundaries that split the layers, no embedding tied across stages."""
         p, n_layers = self.parallel, self.model.n_layers
-        if p.pipeline_parallel_degree == 1 and p.virtual_stages == 1:
-            return self
         if p.pipeline_parallel_degree == 1:
-            raise ValueError(
-                f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipeline_parallel_degree > 1 (virtual "
-                "stages interleave layers over pipeline ranks); set virtual_stages=1"
-            )
+            defaults = ParallelConfig()
+            changed = [f"{name}={getattr(p, name)!r}" for name in _PIPELINE_OPTIONS
+                       if getattr(p, name) != getattr(defaults, name)]  # fmt: skip
+            if changed:
+                verb = "needs" if len(changed) == 1 else "need"
+                raise ValueError(
+                    f"parallel.{', parallel.'.join(changed)} {verb} parallel.pipeline_parallel_degree > 1; without "
+                    "a pipeline it would be ignored"
+                )
+            return self
         interleaved = p.pipeline_schedule == "interleaved_1f1b"
         if interleaved != (p.virtual_stages > 1):
             raise ValueError(
@@ -439,6 +443,10 @@ class Config(_Section):
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
+
+
+# Settings that only a pipeline (pipeline_parallel_degree > 1) reads.
+_PIPELINE_OPTIONS = ("pipeline_schedule", "virtual_stages", "pipeline_split", "stage_boundaries")
 
 
 def _seq_split_name(p: ParallelConfig) -> str:

@@ -33,7 +33,7 @@ from loomtrain.data import (
     load_corpus,
     load_tokenizer,
 )
-from loomtrain.distributed.parallel_dims import ParallelDims
+from loomtrain.distributed.parallel_dims import AXES, ParallelDims
 from loomtrain.distributed.zero import ZeroSynchronizer, model_state_bytes
 from loomtrain.generation import sample
 from loomtrain.hardware import mfu, peak_flops_per_s
@@ -452,12 +452,17 @@ class Trainer:
         return summary
 
     def _comm_bytes_per_step(self) -> dict[str, float]:
-        """Bytes this rank sent per training step, per mesh axis: ``dp`` (gradient reduction over
-        the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations), ``pp``
-        (activations and their gradients between stages). Evaluation forwards are not counted."""
+        """Bytes a rank sent per training step, mean over ranks, per mesh axis: ``dp`` (gradient
+        reduction over the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations),
+        ``pp`` (activations and their gradients between stages; the first and last pipeline
+        ranks send one kind each, the others both). Evaluation forwards are not counted. A
+        collective: every rank calls it."""
         steps = max(1, self.speed.total[0])
         sent = {"dp": self.sync.hook.bytes_sent, **self.train_traffic}
-        return {axis: nbytes / steps for axis, nbytes in sent.items()}
+        axes = ["dp"] + [axis for axis in AXES if axis != "dp" and getattr(self.dims, axis) > 1]
+        totals = torch.tensor([float(sent.get(axis, 0)) for axis in axes], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return {axis: total / self.dims.world_size / steps for axis, total in zip(axes, totals.tolist(), strict=True)}
 
     def _model_state_bytes(self) -> dict[str, int]:
         """This rank's ``param_bytes``, ``grad_bytes``, ``optim_bytes`` (held storage; for ZeRO

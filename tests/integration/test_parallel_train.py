@@ -87,7 +87,8 @@ def test_parallel_losses_equal_single_process(tmp_path, reference, name, world, 
     if "--parallel.pipeline_parallel_degree=2" in extra:
         assert 0 < summary["bubble_fraction"] < 1
         assert (tmp_path / name / "timeline.json").is_file()
-        # Rank 0 holds the first stage: per step it sends each micro-batch's [2, 32, 32] fp32 activations.
+        # Per step the first stage sends each micro-batch's [2, 32, 32] fp32 activations, the last
+        # stage their gradients: the mean over ranks is the same.
         dp = world // 2 // (2 if "--parallel.tensor_parallel_degree=2" in extra else 1)
         micro_batches = 8 // (dp * 2)
         assert by_axis["pp"] == micro_batches * 2 * 32 * 32 * 4
@@ -107,3 +108,16 @@ def test_two_way_checkpoint_resumes_on_one_process(tmp_path, reference, axis, de
     assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["layout"][axis] == 2
+
+
+def test_pipeline_checkpoint_resumes_on_a_pipelined_layout(tmp_path, reference):
+    """Catches: a pipeline rank refusing (or half-loading) a checkpoint because it holds only
+    some of the saved parameters; here pp 2 resumes as pp 2 × dp 2."""
+    train(2, tmp_path, "pp2", "--parallel.pipeline_parallel_degree=2")
+    checkpoint = tmp_path / "pp2" / "checkpoints" / "step_00000005"
+    summary = train(
+        4, tmp_path, "pp2_dp2", "--parallel.pipeline_parallel_degree=2", f"--checkpoint.resume={checkpoint}"
+    )
+    assert summary["start_step"] == 5
+    resumed = losses(tmp_path / "pp2_dp2")
+    assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})

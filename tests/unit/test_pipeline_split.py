@@ -80,6 +80,7 @@ INTERLEAVED = "--parallel.pipeline_schedule=interleaved_1f1b"
         ([PP2, INTERLEAVED], ["virtual_stages >= 2"]),
         ([PP2, "--parallel.stage_boundaries=[0]"], ["stage_boundaries=[0]"]),
         ([PP2, "--parallel.stage_boundaries=[1, 2]"], ["1 strictly increasing"]),
+        (["--parallel.pipeline_split=time"], ["pipeline_split='time' needs parallel.pipeline_parallel_degree > 1"]),
     ],
 )
 def test_bad_pipeline_layouts_name_the_field(overrides, needles):

@@ -553,7 +553,10 @@ def apply_zero(
     if stage not in (1, 2, 3):
         raise ValueError(f"data_parallel.zero_stage={stage}; apply_zero needs 1, 2 or 3 (0 is plain data parallel)")
     broadcast_module(module, mesh.get_group())
-    blocks = list(module.layers.values()) if blocks is None else list(blocks)
+    if blocks is None:
+        layers = getattr(module, "layers", None)
+        blocks = [] if layers is None else list(layers.values())
+    blocks = list(blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     if blocks and all(id(p) in in_blocks for p in module.parameters()):
         # A pipeline stage with neither embedding nor head: its last block is the root unit.
