@@ -53,12 +53,24 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     [
         ("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"]),
         ("tp2_megatron_sp", 2, ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"]),
-        ("tp2_tied_head", 2, ["--model.tie_embeddings=true", "--parallel.tensor_parallel_degree=2"]),
-        ("dp2_ulysses2_zero2", 4, ["--parallel.sequence_parallel_degree=2", "--data_parallel.zero_stage=2"]),
-        (
+        # Slow: whole-trainer repeats of compositions the distributed tests check layer by layer.
+        pytest.param(
+            "tp2_tied_head",
+            2,
+            ["--model.tie_embeddings=true", "--parallel.tensor_parallel_degree=2"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "dp2_ulysses2_zero2",
+            4,
+            ["--parallel.sequence_parallel_degree=2", "--data_parallel.zero_stage=2"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             "tp2_ulysses2",
             4,
             ["--model.n_heads=4", "--parallel.tensor_parallel_degree=2", "--parallel.sequence_parallel_degree=2"],
+            marks=pytest.mark.slow,
         ),
         ("dp2_tp2_zero3", 4, ["--parallel.tensor_parallel_degree=2", "--data_parallel.zero_stage=3"]),
         ("pp2_dp2_zero1", 4, ["--parallel.pipeline_parallel_degree=2", "--data_parallel.zero_stage=1"]),
