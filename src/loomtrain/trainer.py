@@ -302,7 +302,10 @@ class Trainer:
         self.step = self.start_step = 0
         self.events = EventLog(self.cfg.run_dir, self.rank0)
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        reached = last_logged_step(self.cfg.run_dir) if self.resumed_from is not None else 0
+        reached = 0
+        if self.resumed_from is not None:
+            # Metrics are logged every log_interval steps; a checkpoint may come from a later step.
+            reached = max(last_logged_step(self.cfg.run_dir), read_manifest(self.resumed_from)["step"])
         self.events("start", world_size=self.dims.world_size, attempt=attempt)
         if attempt > 0:
             self.events("failure_detected", failed_attempt=attempt - 1, reached_step=reached)
