@@ -107,29 +107,19 @@ def test_parallel_losses_equal_single_process(tmp_path, reference, name, world, 
 
 
 @pytest.mark.parametrize("axis, degree", [("tp", "tensor_parallel_degree"), ("pp", "pipeline_parallel_degree")])
-def test_two_way_checkpoint_resumes_on_one_process(tmp_path, reference, axis, degree):
+def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, axis, degree):
     """Catches: tensor-parallel shards saved as if replicated (DCP would keep one rank's
-    shard), optimizer moments that do not reshard, or pipeline stages saving parameters under
-    stage-local names: the resumed single-process run would not continue the 2-way run's
-    losses."""
+    shard), optimizer moments that do not reshard, pipeline stages saving parameters under
+    stage-local names, or a pipeline rank refusing (or half-loading) a checkpoint because it
+    holds only some of the saved parameters: a resumed run would not continue the 2-way run's
+    losses. Both resume on one process; the pipelined run also as pp 2 × dp 2."""
     train(2, tmp_path, f"{axis}2", f"--parallel.{degree}=2")
     checkpoint = tmp_path / f"{axis}2" / "checkpoints" / "step_00000005"
-    summary = train(1, tmp_path, "one", f"--checkpoint.resume={checkpoint}")
-    assert summary["start_step"] == 5
-    resumed = losses(tmp_path / "one")
-    assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
+    layouts = {"one": (1, [])} | ({"pp2_dp2": (4, [f"--parallel.{degree}=2"])} if axis == "pp" else {})
+    for name, (world, extra) in layouts.items():
+        summary = train(world, tmp_path, name, *extra, f"--checkpoint.resume={checkpoint}")
+        assert summary["start_step"] == 5
+        resumed = losses(tmp_path / name)
+        assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["layout"][axis] == 2
-
-
-def test_pipeline_checkpoint_resumes_on_a_pipelined_layout(tmp_path, reference):
-    """Catches: a pipeline rank refusing (or half-loading) a checkpoint because it holds only
-    some of the saved parameters; here pp 2 resumes as pp 2 × dp 2."""
-    train(2, tmp_path, "pp2", "--parallel.pipeline_parallel_degree=2")
-    checkpoint = tmp_path / "pp2" / "checkpoints" / "step_00000005"
-    summary = train(
-        4, tmp_path, "pp2_dp2", "--parallel.pipeline_parallel_degree=2", f"--checkpoint.resume={checkpoint}"
-    )
-    assert summary["start_step"] == 5
-    resumed = losses(tmp_path / "pp2_dp2")
-    assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
