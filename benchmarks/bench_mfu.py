@@ -26,15 +26,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loomtrain.config import ModelConfig
-from loomtrain.hardware import device_name, mfu, peak_flops_per_s
+from loomtrain.hardware import device_name, mfu, peak_flops_per_s, synchronize
 from loomtrain.models import Transformer, count_params, flops_per_token
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mfu.json"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -54,14 +49,14 @@ def step_seconds(args: argparse.Namespace, device: torch.device) -> tuple[list[f
     kernel = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
     times = []
     for i in range(args.warmup + args.steps):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with kernel, torch.autocast(device.type, dtype=torch.bfloat16):
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     return times, count_params(model)

@@ -191,17 +191,18 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, warmup: int, repeats: int) ->
     """Fastest of ``repeats`` timed ``a @ b``, in seconds, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         torch.matmul(a, b)
-    _synchronize(a.device)
+    synchronize(a.device)
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         torch.matmul(a, b)
-        _synchronize(a.device)
+        synchronize(a.device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on CPU): before reading a clock."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 

@@ -406,8 +406,8 @@ class Trainer:
         loss = mean_over_ranks(local_loss, self.device, self.dims.grad_mesh.get_group())
         record = {"loss": loss, "lr": lr_at(self.step - 1, self.cfg.training), **self.speed.report()}
         record.update({f"comm_bytes_{axis}": v for axis, v in self._comm_bytes_per_step().items()})
-        if self.bubbles[self.bubbles_logged :]:
-            window = self.bubbles[self.bubbles_logged :]
+        window = self.bubbles[self.bubbles_logged :]
+        if window:
             record["bubble_fraction"] = sum(window) / len(window)
             self.bubbles_logged = len(self.bubbles)
         if eval_now:

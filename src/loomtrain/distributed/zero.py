@@ -467,8 +467,11 @@ class ZeroSynchronizer(LocalAccumulation):
         """
         self._set_master_grads()
         grads = self._local_grads()
-        groups = [self.group] + [g.group for g in (self.tp,) if g is not None]
-        groups += [self.pp_group] if self.pp_group is not None else []
+        groups = [self.group]
+        if self.tp is not None:
+            groups.append(self.tp.group)
+        if self.pp_group is not None:
+            groups.append(self.pp_group)
         if self.scaler is not None and not self.scaler.unscale_and_check(grads, *groups):
             return False
         if max_norm > 0:

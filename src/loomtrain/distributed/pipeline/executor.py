@@ -32,6 +32,7 @@ from loomtrain.distributed.pipeline.schedule import (
     stage_rank,
     theoretical_bubble,
 )
+from loomtrain.hardware import synchronize
 
 TIMELINE_FORMAT = "loomtrain-timeline-1"
 
@@ -234,8 +235,7 @@ class PipelineExecutor:
         }  # fmt: skip
 
     def _now(self) -> float:
-        if self.comm.device.type == "cuda":
-            torch.cuda.synchronize(self.comm.device)  # an action's end is when its kernels end
+        synchronize(self.comm.device)  # an action's end is when its kernels end
         return time.time()
 
     def _exchange(self, actions, intervals, loss_sum, all_actions) -> tuple[float, StepRecord]:

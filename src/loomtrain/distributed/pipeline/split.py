@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from loomtrain.distributed.pipeline.schedule import rank_stages
+from loomtrain.hardware import synchronize
 from loomtrain.models.llama import Transformer
 
 
@@ -92,21 +93,16 @@ def measure_layer_seconds(model: Transformer, tokens: torch.Tensor, repeats: int
         x = h.detach().requires_grad_(True)
         times = []
         for _ in range(repeats + 1):
-            _sync(tokens.device)
+            synchronize(tokens.device)
             start = time.perf_counter()
             layer(x, cos, sin).sum().backward()
-            _sync(tokens.device)
+            synchronize(tokens.device)
             times.append(time.perf_counter() - start)
         seconds.append(sorted(times[1:])[len(times[1:]) // 2])
         with torch.no_grad():
             h = layer(h, cos, sin)
     model.zero_grad(set_to_none=True)
     return seconds
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def prune_to_rank(model: Transformer, stage_layers: list[list[int]], pp_rank: int, pp: int) -> dict[int, list[str]]:
