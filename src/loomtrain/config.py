@@ -225,16 +225,22 @@ class CompressionConfig(_Section):
     the casts keep error-feedback residuals (checkpointed per rank). ``topk`` and ``powersgd``
     send tensors of fewer than ``min_compress_numel`` elements whole. ``warmup_steps``: steps
     reduced uncompressed first. ``momentum_correction``: DGC's momentum factor for ``topk``
-    (0 = off; use plain SGD then).
+    (0 = off; use plain SGD then). ``topk_warmup_density``: with ``topk``, warm up by DGC's
+    exponential ramp instead of densely, sending that fraction at the first step and shrinking
+    it geometrically to ``topk_ratio`` over ``warmup_steps`` (0 = dense warm-up).
+    ``powersgd_dtype``: the dtype PowerSGD's P and Q factors (and its dense tensors) travel in;
+    ``bf16``/``fp16`` halve its bytes.
     """
 
     method: Literal["none", "fp16", "bf16", "int8", "sign", "topk", "powersgd"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)
     powersgd_rank: int = Field(4, ge=1)
+    powersgd_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     chunk_size: int = Field(1024, ge=1)
     min_compress_numel: int = Field(1024, ge=0)
     warmup_steps: int = Field(0, ge=0)
     momentum_correction: float = Field(0.0, ge=0, lt=1)
+    topk_warmup_density: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _options_fit_method(self) -> CompressionConfig:
@@ -242,6 +248,22 @@ class CompressionConfig(_Section):
             raise ValueError(
                 f"compression.momentum_correction={self.momentum_correction} only applies to "
                 f"compression.method='topk' (got {self.method!r}); set it to 0"
+            )
+        if self.topk_warmup_density and not (self.method == "topk" and self.warmup_steps):
+            raise ValueError(
+                f"compression.topk_warmup_density={self.topk_warmup_density} ramps the density of "
+                f"compression.method='topk' over compression.warmup_steps (got method={self.method!r}, "
+                f"warmup_steps={self.warmup_steps}); set both, or set it to 0"
+            )
+        if self.topk_warmup_density and self.topk_warmup_density <= self.topk_ratio:
+            raise ValueError(
+                f"compression.topk_warmup_density={self.topk_warmup_density} must exceed "
+                f"compression.topk_ratio={self.topk_ratio}: the ramp shrinks from it to the ratio"
+            )
+        if self.powersgd_dtype != "fp32" and self.method != "powersgd":
+            raise ValueError(
+                f"compression.powersgd_dtype={self.powersgd_dtype!r} only applies to compression.method='powersgd' "
+                f"(got {self.method!r}); leave it at 'fp32'"
             )
         if self.warmup_steps and self.method in ("none", "fp16", "bf16"):
             raise ValueError(

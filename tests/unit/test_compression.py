@@ -133,13 +133,43 @@ def test_build_comm_hook_picks_the_configured_compressor(method, kind):
     assert type(build_comm_hook(CompressionConfig(method=method))) is kind
 
 
+def test_topk_warmup_ramp_shrinks_the_density_geometrically_to_the_ratio():
+    """Catches: a ramp that starts dense (all-reduce) instead of sparse, grows instead of
+    shrinking, or never reaches the configured ratio (DGC §3.4's exponential schedule)."""
+    hook = build_comm_hook(CompressionConfig(method="topk", topk_ratio=0.01, warmup_steps=4, topk_warmup_density=0.25))
+    assert hook._k(10_000) == 2500 and hook._k(100) == 100  # step 0; below min_compress_numel: whole
+    densities = []
+    for _ in range(6):
+        assert not hook.warming_up
+        densities.append(hook.density())
+        hook.on_step_end()
+    want = [0.25 * 0.04 ** (t / 4) for t in range(4)] + [0.01, 0.01]
+    assert densities == pytest.approx(want, rel=1e-12)
+
+
+def test_topk_warmup_density_must_exceed_the_ratio():
+    """Catches: a "ramp" that would send less during warm-up than after it."""
+    with pytest.raises(ConfigError, match="compression.topk_warmup_density"):
+        load_config(None, ["--compression.method=topk", "--compression.warmup_steps=5",
+                           "--compression.topk_warmup_density=0.005"])  # fmt: skip
+
+
+def test_powersgd_dtype_reaches_the_hook():
+    """Catches: compression.powersgd_dtype accepted by the config but not passed on, so the
+    factors still travel in fp32."""
+    hook = build_comm_hook(CompressionConfig(method="powersgd", powersgd_dtype="bf16"))
+    assert hook.wire_dtype is torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [("--compression.topk_ratio=0", "compression.topk_ratio"),
      ("--compression.powersgd_rank=0", "compression.powersgd_rank"),
      ("--compression.method=gzip", "compression.method"),
      ("--compression.momentum_correction=0.9", "compression.momentum_correction"),
-     ("--compression.warmup_steps=5", "compression.warmup_steps")],
+     ("--compression.warmup_steps=5", "compression.warmup_steps"),
+     ("--compression.powersgd_dtype=bf16", "compression.powersgd_dtype"),
+     ("--compression.topk_warmup_density=0.5", "compression.topk_warmup_density")],
 )  # fmt: skip
 def test_bad_compression_settings_name_the_field(override, field):
     """Catches: a compression setting that is silently ignored or fails later inside training."""

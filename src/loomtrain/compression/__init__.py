@@ -31,6 +31,9 @@ __all__ = [
 ]
 
 
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> CommHook:
     """The communication hook for ``cfg``: ``COMM_HOOKS[comm_hook]`` (uncompressed) when
     ``cfg.method`` is ``"none"``, else the compressor with ``cfg``'s parameters."""
@@ -40,7 +43,11 @@ def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> Com
         "bf16": lambda: CastHook(torch.bfloat16),
         "int8": lambda: Int8Hook(cfg.chunk_size, cfg.warmup_steps),
         "sign": lambda: SignHook(cfg.chunk_size, cfg.warmup_steps),
-        "topk": lambda: TopKHook(cfg.topk_ratio, cfg.min_compress_numel, cfg.momentum_correction, cfg.warmup_steps),
-        "powersgd": lambda: PowerSGDHook(cfg.powersgd_rank, cfg.min_compress_numel, cfg.warmup_steps),
+        "topk": lambda: TopKHook(
+            cfg.topk_ratio, cfg.min_compress_numel, cfg.momentum_correction, cfg.warmup_steps, cfg.topk_warmup_density
+        ),
+        "powersgd": lambda: PowerSGDHook(
+            cfg.powersgd_rank, cfg.min_compress_numel, cfg.warmup_steps, wire_dtype=WIRE_DTYPES[cfg.powersgd_dtype]
+        ),
     }
     return factories[cfg.method]()

@@ -44,11 +44,24 @@ class PowerSGDHook(CompressionHook):
         min_compress_numel: tensors with fewer elements are sent dense.
         warmup_steps: steps reduced densely first.
         seed: seeds the initial Q (standard normal), identical on every rank.
+        wire_dtype: the dtype P, Q and the dense tensors are all-reduced in. With bf16 or
+            fp16 each rank's residual keeps what rounding its own P, Q and dense tensors lost
+            (its Q is rounded before ``M − P̂·Q_iᵀ`` is formed); the rounding of the sum
+            itself, done by the collective in that dtype, is not fed back (one rounding per
+            element and step, of relative size 2⁻⁸ in bf16).
     """
 
-    def __init__(self, rank: int, min_compress_numel: int = 0, warmup_steps: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        rank: int,
+        min_compress_numel: int = 0,
+        warmup_steps: int = 0,
+        seed: int = 0,
+        wire_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(warmup_steps)
         self.rank, self.min_compress_numel, self.seed = rank, min_compress_numel, seed
+        self.wire_dtype = wire_dtype
         self.qs: dict[int, dict[int, torch.Tensor]] = {}
 
     def _compressed(self, m: torch.Tensor) -> bool:
@@ -72,25 +85,27 @@ class PowerSGDHook(CompressionHook):
         ms = {j: views[j].reshape(-1, views[j].shape[-1]) for j in low}
         qs = {j: self._q(bucket.index, j, ms[j].shape[1], ms[j].shape[0]).to(delta.device) for j in low}
         ps = {j: ms[j] @ qs[j] for j in low}
-        first = torch.cat([ps[j].reshape(-1) for j in low] + [views[j].reshape(-1) for j in dense])
+        sizes = [ps[j].numel() for j in low] + [views[j].numel() for j in dense]
+        first = torch.cat([ps[j].reshape(-1) for j in low] + [views[j].reshape(-1) for j in dense]).to(self.wire_dtype)
+        for j, sent in zip(dense, first.split(sizes)[len(low) :], strict=True):
+            views[j].sub_(sent.view_as(views[j]))  # the residual keeps what rounding to wire_dtype lost
         work = dist.all_reduce(first, group=group, async_op=True)
         self.bytes_sent += all_reduce_bytes(first.numel() * first.element_size(), n)
 
         def finish() -> torch.Tensor:
-            parts = iter(first.split([ps[j].numel() for j in low] + [views[j].numel() for j in dense]))
+            parts = iter(first.float().split(sizes))
             p_hats = {j: orthonormalize(next(parts).view_as(ps[j])) for j in low}
             for j in dense:
                 _write(bucket, j, next(parts).div(n))
-                views[j].zero_()
-            local_qs = {j: ms[j].T @ p_hats[j] for j in low}
-            for j in low:
-                views[j].copy_((ms[j] - p_hats[j] @ local_qs[j].T).view_as(views[j]))
             if low:
-                second = torch.cat([local_qs[j].reshape(-1) for j in low])
+                second = torch.cat([(ms[j].T @ p_hats[j]).reshape(-1) for j in low]).to(self.wire_dtype)
+                q_sizes = [qs[j].numel() for j in low]
+                for j, q_sent in zip(low, second.float().split(q_sizes), strict=True):
+                    views[j].copy_((ms[j] - p_hats[j] @ q_sent.view_as(qs[j]).T).view_as(views[j]))
                 dist.all_reduce(second, group=group)
                 self.bytes_sent += all_reduce_bytes(second.numel() * second.element_size(), n)
-                for j, q in zip(low, second.div_(n).split([local_qs[j].numel() for j in low]), strict=True):
-                    self.qs[bucket.index][j] = q.view_as(local_qs[j]).clone()
+                for j, q in zip(low, second.float().div_(n).split(q_sizes), strict=True):
+                    self.qs[bucket.index][j] = q.view_as(qs[j]).clone()
                     _write(bucket, j, p_hats[j] @ self.qs[bucket.index][j].T)
             return bucket.buffer
 

@@ -9,8 +9,9 @@ Tensors smaller than ``min_compress_numel`` are sent whole. Optional parts of th
 - momentum correction (§3.2): accumulate the velocity ``u ← m·u + g`` instead of the
   gradient, and momentum factor masking (§3.3): clear ``u`` where values were sent. Meant for
   plain SGD with the momentum done here, so the optimizer's own momentum should be off;
-- warm-up (§3.4): dense all-reduce for the first ``warmup_steps`` steps (the paper also
-  ramps the sparsity up over them; here the switch is abrupt).
+- warm-up (§3.4): for the first ``warmup_steps`` steps either a dense all-reduce, or, with
+  ``warmup_density`` ``d₀``, the paper's exponential ramp: step ``t`` sends the fraction
+  ``d₀·(ratio/d₀)^(t/warmup_steps)`` of each tensor, from ``d₀`` down to ``ratio``.
 
 The sparse parts cannot be summed on the wire: every rank all-gathers all ranks' (int32
 index, fp32 value) pairs and adds them into a dense buffer in rank order, so every rank
@@ -48,16 +49,36 @@ class TopKHook(CompressionHook):
         ratio: fraction of each tensor's entries sent, in (0, 1]; 1 sends everything (lossless).
         min_compress_numel: tensors with fewer elements are sent whole.
         momentum: DGC momentum correction factor ``m`` (0: off).
-        warmup_steps: steps reduced densely first.
+        warmup_steps: steps of warm-up: dense, or the density ramp if ``warmup_density``.
+        warmup_density: the fraction sent at step 0 of the ramp (0: dense warm-up instead).
     """
 
-    def __init__(self, ratio: float, min_compress_numel: int = 0, momentum: float = 0.0, warmup_steps: int = 0):
+    def __init__(
+        self,
+        ratio: float,
+        min_compress_numel: int = 0,
+        momentum: float = 0.0,
+        warmup_steps: int = 0,
+        warmup_density: float = 0.0,
+    ):
         super().__init__(warmup_steps)
         self.ratio, self.min_compress_numel, self.momentum = ratio, min_compress_numel, momentum
+        self.warmup_density = warmup_density
         self.velocity: dict[int, torch.Tensor] = {}
 
+    @property
+    def warming_up(self) -> bool:
+        """Dense warm-up only: the ramp compresses from its first step."""
+        return not self.warmup_density and super().warming_up
+
+    def density(self) -> float:
+        """The fraction of each tensor sent at the current step."""
+        if self.warmup_density and self.steps < self.warmup_steps:
+            return self.warmup_density * (self.ratio / self.warmup_density) ** (self.steps / self.warmup_steps)
+        return self.ratio
+
     def _k(self, numel: int) -> int:
-        return numel if numel < self.min_compress_numel else max(1, math.ceil(self.ratio * numel))
+        return numel if numel < self.min_compress_numel else max(1, math.ceil(self.density() * numel))
 
     def _accumulated(self, bucket: GradBucket) -> torch.Tensor:
         """``Δ``: residual plus gradient, or (momentum correction) residual plus velocity."""
