@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON result goes")
     args = parser.parse_args()
     for name, value in (("MALLOC_MMAP_THRESHOLD_", str(2**32)), ("MALLOC_TRIM_THRESHOLD_", str(2**36))):
         os.environ.setdefault(name, value)  # read by glibc when each spawned worker starts
@@ -266,14 +267,14 @@ def main() -> None:
         "cases": rows,
         "worst_abs_gap_pp": abs(worst_gap["gap_pp"]),
         "worst_ratio": max((r["ratio"] for r in raced), default=None),
-        "config": vars(args),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "malloc": {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")},
         "cpu_count": os.cpu_count(),
         "torch_version": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2))
     if raced:
         worst = max(raced, key=lambda r: r["ratio"])
         print(f"worst step-time ratio (ours / torch): {worst['ratio']:.3f} ({worst['schedule']}, pp={worst['pp']})")
