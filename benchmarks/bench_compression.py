@@ -95,7 +95,7 @@ def main() -> None:
             if name != "none":
                 r["meets_targets"] = r["compression_ratio"] <= MAX_BYTES_RATIO and r["val_loss_ratio"] <= MAX_LOSS_RATIO
             print(
-                f"{name:>12}: {r['bytes_per_step']:>12,.0f} bytes/step, ratio {r['compression_ratio']:.4f}, "
+                f"{name:>16}: {r['bytes_per_step']:>12,.0f} bytes/step, ratio {r['compression_ratio']:.4f}, "
                 f"val loss {r['val_loss']:.4f} ({r['val_loss_ratio']:.3f} of none), {r['step_s'] * 1e3:.1f} ms/step"
                 + {True: ", targets met", False: ", targets missed", None: ""}[r.get("meets_targets")]
             )

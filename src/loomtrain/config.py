@@ -229,13 +229,14 @@ class CompressionConfig(_Section):
     exponential ramp instead of densely, sending that fraction at the first step and shrinking
     it geometrically to ``topk_ratio`` over ``warmup_steps`` (0 = dense warm-up).
     ``powersgd_dtype``: the dtype PowerSGD's P and Q factors (and its dense tensors) travel in;
-    ``bf16``/``fp16`` halve its bytes.
+    ``bf16`` halves its bytes (fp16 is not offered: P = M·Q grows with the square of the
+    gradient and would overflow its range).
     """
 
     method: Literal["none", "fp16", "bf16", "int8", "sign", "topk", "powersgd"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)
     powersgd_rank: int = Field(4, ge=1)
-    powersgd_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    powersgd_dtype: Literal["fp32", "bf16"] = "fp32"
     chunk_size: int = Field(1024, ge=1)
     min_compress_numel: int = Field(1024, ge=0)
     warmup_steps: int = Field(0, ge=0)

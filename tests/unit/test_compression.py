@@ -147,11 +147,17 @@ def test_topk_warmup_ramp_shrinks_the_density_geometrically_to_the_ratio():
     assert densities == pytest.approx(want, rel=1e-12)
 
 
-def test_topk_warmup_density_must_exceed_the_ratio():
-    """Catches: a "ramp" that would send less during warm-up than after it."""
+@pytest.mark.parametrize(
+    "overrides",
+    [["--compression.warmup_steps=5", "--compression.topk_warmup_density=0.005"],
+     ["--compression.topk_warmup_density=0.25"],
+     ["--compression.warmup_steps=5", "--compression.topk_warmup_density=0.25", "--compression.method=powersgd"]],
+)  # fmt: skip
+def test_topk_warmup_density_needs_topk_a_warmup_and_more_than_the_ratio(overrides):
+    """Catches: a "ramp" that would send less during warm-up than after it, one over zero
+    steps (silently ignored), or one given to a method that has no density."""
     with pytest.raises(ConfigError, match="compression.topk_warmup_density"):
-        load_config(None, ["--compression.method=topk", "--compression.warmup_steps=5",
-                           "--compression.topk_warmup_density=0.005"])  # fmt: skip
+        load_config(None, ["--compression.method=topk", *overrides])
 
 
 def test_powersgd_dtype_reaches_the_hook():
@@ -169,9 +175,10 @@ def test_powersgd_dtype_reaches_the_hook():
      ("--compression.momentum_correction=0.9", "compression.momentum_correction"),
      ("--compression.warmup_steps=5", "compression.warmup_steps"),
      ("--compression.powersgd_dtype=bf16", "compression.powersgd_dtype"),
+     ("--compression.method=powersgd --compression.powersgd_dtype=fp16", "compression.powersgd_dtype"),
      ("--compression.topk_warmup_density=0.5", "compression.topk_warmup_density")],
 )  # fmt: skip
 def test_bad_compression_settings_name_the_field(override, field):
     """Catches: a compression setting that is silently ignored or fails later inside training."""
     with pytest.raises(ConfigError, match=field):
-        load_config(None, [override])
+        load_config(None, override.split())

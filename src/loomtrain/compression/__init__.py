@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> CommHook:

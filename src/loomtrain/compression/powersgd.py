@@ -44,11 +44,10 @@ class PowerSGDHook(CompressionHook):
         min_compress_numel: tensors with fewer elements are sent dense.
         warmup_steps: steps reduced densely first.
         seed: seeds the initial Q (standard normal), identical on every rank.
-        wire_dtype: the dtype P, Q and the dense tensors are all-reduced in. With bf16 or
-            fp16 each rank's residual keeps what rounding its own P, Q and dense tensors lost
-            (its Q is rounded before ``M − P̂·Q_iᵀ`` is formed); the rounding of the sum
-            itself, done by the collective in that dtype, is not fed back (one rounding per
-            element and step, of relative size 2⁻⁸ in bf16).
+        wire_dtype: the dtype P, Q and the dense tensors are all-reduced in. With bf16 each
+            rank's residual keeps what rounding its own P, Q and dense tensors lost (its Q is
+            rounded before ``M − P̂·Q_iᵀ`` is formed); the roundings of the partial sums inside
+            the 16-bit collective (n−1 of them in a ring) are not fed back.
     """
 
     def __init__(
