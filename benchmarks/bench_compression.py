@@ -33,6 +33,7 @@ from loomtrain.distributed.spawn import spawn
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 RESULTS = ROOT / "benchmarks" / "results" / "compression.json"
+RAMP_STEPS = 200
 METHODS = {
     "none": [],
     "bf16": ["--compression.method=bf16"],
@@ -42,7 +43,7 @@ METHODS = {
     "topk_0.01_ramp": [
         "--compression.method=topk",
         "--compression.topk_ratio=0.01",
-        "--compression.warmup_steps=200",
+        f"--compression.warmup_steps={RAMP_STEPS}",
         "--compression.topk_warmup_density=0.25",
     ],
     "powersgd_r4": ["--compression.method=powersgd", "--compression.powersgd_rank=4"],
@@ -85,6 +86,10 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--out", type=Path, default=RESULTS, help="where the JSON result goes")
     args = p.parse_args()
+    if "topk_0.01_ramp" in args.methods and args.steps <= RAMP_STEPS:
+        p.error(
+            f"topk_0.01_ramp ramps over {RAMP_STEPS} steps: give --steps > {RAMP_STEPS} or leave it out of --methods"
+        )
     methods = ["none", *(m for m in args.methods if m != "none")]  # the baseline every ratio refers to
     result: dict = {"backend": "gloo", "dtype": "fp32", "config": str(CONFIG.relative_to(ROOT))}
     result.update(steps=args.steps, world=args.world, torch=torch.__version__, methods=methods)

@@ -337,6 +337,16 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _compression_starts(self) -> Config:
+        warmup, steps = self.compression.warmup_steps, self.training.steps
+        if warmup and warmup >= steps:
+            raise ValueError(
+                f"compression.warmup_steps={warmup} is not below training.steps={steps}: the run would end "
+                "before its warm-up does; lower compression.warmup_steps"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _shapes_split(self) -> Config:
         """Shapes that tensor and sequence parallelism must divide (vocabulary and MLP width
         may split unevenly; heads and sequence positions may not)."""

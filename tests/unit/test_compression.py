@@ -150,13 +150,15 @@ def test_topk_warmup_ramp_shrinks_the_density_geometrically_to_the_ratio():
 @pytest.mark.parametrize(
     "overrides",
     [["--compression.warmup_steps=5", "--compression.topk_warmup_density=0.005"],
+     ["--compression.warmup_steps=30", "--training.steps=30", "--compression.topk_warmup_density=0.25"],
      ["--compression.topk_warmup_density=0.25"],
      ["--compression.warmup_steps=5", "--compression.topk_warmup_density=0.25", "--compression.method=powersgd"]],
 )  # fmt: skip
 def test_topk_warmup_density_needs_topk_a_warmup_and_more_than_the_ratio(overrides):
     """Catches: a "ramp" that would send less during warm-up than after it, one over zero
-    steps (silently ignored), or one given to a method that has no density."""
-    with pytest.raises(ConfigError, match="compression.topk_warmup_density"):
+    steps (silently ignored) or over the whole run (it would never reach the ratio), or one
+    given to a method that has no density."""
+    with pytest.raises(ConfigError, match="compression.topk_warmup_density|compression.warmup_steps=30"):
         load_config(None, ["--compression.method=topk", *overrides])
 
 
