@@ -17,6 +17,7 @@ from loomtrain.compression.quantize import CastHook, Int8Hook, SignHook
 from loomtrain.compression.topk import TopKHook
 from loomtrain.config import CompressionConfig
 from loomtrain.distributed.data_parallel import COMM_HOOKS, CommHook
+from loomtrain.distributed.mixed_precision import DTYPES
 
 __all__ = [
     "CastHook",
@@ -29,9 +30,6 @@ __all__ = [
     "TopKHook",
     "build_comm_hook",
 ]
-
-
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> CommHook:
@@ -47,7 +45,7 @@ def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> Com
             cfg.topk_ratio, cfg.min_compress_numel, cfg.momentum_correction, cfg.warmup_steps, cfg.topk_warmup_density
         ),
         "powersgd": lambda: PowerSGDHook(
-            cfg.powersgd_rank, cfg.min_compress_numel, cfg.warmup_steps, wire_dtype=WIRE_DTYPES[cfg.powersgd_dtype]
+            cfg.powersgd_rank, cfg.min_compress_numel, cfg.warmup_steps, wire_dtype=DTYPES[cfg.powersgd_dtype]
         ),
     }
     return factories[cfg.method]()
