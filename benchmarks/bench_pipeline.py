@@ -64,9 +64,10 @@ from loomtrain.config import ModelConfig
 from loomtrain.distributed.pipeline.executor import PipelineExecutor, StepRecord
 from loomtrain.distributed.pipeline.p2p import PipelineComm
 from loomtrain.distributed.pipeline.schedule import bubble_fraction, simulate, theoretical_bubble
-from loomtrain.distributed.pipeline.split import partition_layers, prune_to_rank
+from loomtrain.distributed.pipeline.split import partition_layers
 from loomtrain.distributed.spawn import spawn
 from loomtrain.models import Transformer
+from loomtrain.models.parallelize import prune_to_rank
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 CPU = torch.device("cpu")

@@ -40,11 +40,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from loomtrain.config import ModelConfig
-from loomtrain.distributed.sequence_parallel import apply_ulysses
 from loomtrain.distributed.spawn import spawn
-from loomtrain.distributed.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from loomtrain.distributed.tensor_parallel import vocab_parallel_cross_entropy
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.models import Transformer
+from loomtrain.models.parallelize import apply_tensor_parallel, apply_ulysses
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tp.json"
 FP32 = 4

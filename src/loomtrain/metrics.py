@@ -1,20 +1,35 @@
-"""Metrics and run records: console progress bar, ``metrics.jsonl``, TensorBoard, the event
-log and the per-rank sample audit.
+"""Metrics and run records: what a training step measured (:class:`TrainingMetrics`:
+throughput, MFU, bytes per mesh axis, pipeline bubble, model-state bytes, peak memory, the
+summary), console progress bar, ``metrics.jsonl``, TensorBoard, the event log and the
+per-rank sample audit.
 
 Only rank 0 writes metrics and events; other ranks construct them with ``enabled=False``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
+
+from loomtrain.config import Config
+from loomtrain.distributed.parallel_dims import MESH_AXES, is_main_process
+from loomtrain.distributed.traffic import GRADIENT_AXIS
+from loomtrain.hardware import mfu, peak_flops_per_s
+from loomtrain.models.flops import flops_per_token
+
+if TYPE_CHECKING:
+    from loomtrain.distributed.parallel_model import ParallelModel
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -165,3 +180,168 @@ class SampleRecorder:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+class Throughput:
+    """Tokens/s and MFU, over the steps since the last report and over the whole run.
+
+    Only time inside a training step counts: evaluation and checkpointing are not training.
+    MFU = achieved model FLOP/s per device / the device's peak FLOP/s (Chowdhery et al.,
+    "PaLM", 2022, Appendix B).
+    """
+
+    def __init__(self, tokens_per_step_per_device: int, flops_per_token: float, peak_flops: float, world: int):
+        self.tokens = tokens_per_step_per_device
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops
+        self.world = world
+        self.window = [0, 0.0]
+        self.total = [0, 0.0]
+
+    def add(self, seconds: float) -> None:
+        for acc in (self.window, self.total):
+            acc[0] += 1
+            acc[1] += seconds
+
+    def _rates(self, steps: int, seconds: float) -> dict[str, float]:
+        per_device = self.tokens * steps / max(seconds, 1e-9)
+        return {
+            "tokens_per_s": per_device * self.world,
+            "mfu": mfu(self.flops_per_token, per_device, self.peak),
+        }
+
+    def report(self) -> dict[str, float]:
+        """Global tokens/s and per-device MFU since the last report; resets the window."""
+        rates = self._rates(*self.window)
+        self.window = [0, 0.0]
+        return rates
+
+    def overall(self) -> dict[str, float]:
+        return self._rates(*self.total)
+
+
+class TrainingMetrics:
+    """Everything a run measures per training step and reports: rank 0 writes it through
+    ``writer`` (console, ``metrics.jsonl``, TensorBoard) and ``summary.json``.
+
+    Per step (:meth:`timed_step`): seconds inside the step, bytes sent per mesh axis (the
+    traffic counter of ``pm``, where the gradient hook counts ``dp`` and tensor, sequence and
+    pipeline parallelism count theirs) and, pipelined, the measured bubble fraction.
+    """
+
+    def __init__(self, writer: MetricsProcessor, pm: ParallelModel, speed: Throughput, device: torch.device):
+        self.writer, self.pm, self.speed, self.device = writer, pm, speed, device
+        self.train_traffic: Counter[str] = Counter()
+        self.bubbles: list[float] = []  # measured per pipelined step (see PipelineExecutor)
+        self.bubbles_logged = 0
+
+    @classmethod
+    def for_run(cls, cfg: Config, pm: ParallelModel, device: torch.device, start_step: int) -> TrainingMetrics:
+        """The metrics of a training run from ``start_step``: rank 0 writes them; the device peak
+        (see ``hardware.peak_flops_per_s``) is that of ``training.dtype``. Every device is
+        credited an equal share of the step's FLOPs, whatever the mix of dp, sp, tp and pp."""
+        t, m, world = cfg.training, cfg.metrics, pm.dims.world_size
+        writer = MetricsProcessor(cfg.run_dir, t.steps, start_step, is_main_process(), m.tensorboard, m.progress_bar)
+        peak = peak_flops_per_s(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
+        speed = Throughput(t.global_batch_size * t.seq_len // world, flops_per_token(cfg.model, t.seq_len), peak, world)
+        return cls(writer, pm, speed, device)
+
+    def announce(self, cfg: Config, n_params: int) -> None:
+        """Print the run's shape on rank 0: parameters, layout, micro-batches, FLOPs, peak."""
+        dims, t = self.pm.dims, cfg.training
+        self.writer.message(
+            f"loomtrain: {n_params:,} parameters, world size {dims.world_size} ({dims.describe()}), "
+            f"{cfg.grad_accum_steps(dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
+            f"{self.speed.flops_per_token / 1e6:.2f} MFLOP/token, device peak {self.speed.peak / 1e9:.1f} GFLOP/s"
+        )
+
+    @contextlib.contextmanager
+    def timed_step(self) -> Iterator[None]:
+        """Wrap one training step: its time, bytes and bubble are recorded."""
+        start, sent = time.perf_counter(), self.pm.traffic.snapshot()
+        yield
+        self.speed.add(time.perf_counter() - start)
+        for axis, nbytes in self.pm.traffic.snapshot().items():
+            self.train_traffic[axis] += nbytes - sent.get(axis, 0)
+        if self.pm.pipeline is not None:
+            self.bubbles.append(self.pm.pipeline.last_record.bubble_fraction)
+        self.writer.advance()
+
+    def step_record(self, loss: float, lr: float) -> dict[str, float]:
+        """The record of a logged step: ``loss`` (mean over ranks), ``lr``, tokens/s and MFU
+        since the last logged step, bytes per step and axis, the bubble over the steps since
+        the last logged one (pipelined), the fp16 loss scale (with loss scaling). A collective."""
+        record = {"loss": loss, "lr": lr, **self.speed.report()}
+        record.update({f"comm_bytes_{axis}": v for axis, v in self.comm_bytes_per_step().items()})
+        window = self.bubbles[self.bubbles_logged :]
+        if window:
+            record["bubble_fraction"] = sum(window) / len(window)
+            self.bubbles_logged = len(self.bubbles)
+        if self.pm.sync.scaler is not None:
+            record["loss_scale"] = self.pm.sync.scaler.scale
+        return record
+
+    def comm_bytes_per_step(self) -> dict[str, float]:
+        """Bytes a rank sent per training step, mean over ranks, per mesh axis: ``dp`` (gradient
+        reduction over the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations),
+        ``pp`` (activations and their gradients between stages; the first and last pipeline
+        ranks send one kind each, the others both). Evaluation forwards are not counted. A
+        collective: every rank calls it."""
+        dims = self.pm.dims
+        steps = max(1, self.speed.total[0])
+        axes = [GRADIENT_AXIS] + [str(a) for a in MESH_AXES if a in ("pp", "sp", "tp") and dims.degree(a) > 1]
+        sent = [float(self.train_traffic.get(axis, 0)) for axis in axes]
+        totals = torch.tensor(sent, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return {axis: total / dims.world_size / steps for axis, total in zip(axes, totals.tolist(), strict=True)}
+
+    def summary(self, **run: Any) -> dict[str, Any]:
+        """The run's summary (``summary.json``): ``run``'s fields (final_step, start_step,
+        resumed_from, loss, val_loss, wall_s, n_params), overall tokens/s and MFU, peak memory
+        (max over ranks), bytes per step (this rank's, and per axis as means over ranks), the
+        compression ratio, this rank's model-state bytes, the loss scale and the steady-state
+        bubble. A collective."""
+        sync, steps = self.pm.sync, max(1, self.speed.total[0])
+        peak_mem = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
+        dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+        summary = {
+            **run, **self.speed.overall(), "world_size": dist.get_world_size(),
+            "peak_memory_bytes": int(peak_mem.item()), "flops_per_token": self.speed.flops_per_token,
+            "peak_flops_per_s": self.speed.peak,
+            "comm_bytes_per_step": self.train_traffic[GRADIENT_AXIS] / steps,
+            "compression_ratio": sync.hook.bytes_sent / max(1, sync.hook.dense_bytes),
+            "comm_bytes_per_step_by_axis": self.comm_bytes_per_step(), **sync.state_bytes(),
+        }  # fmt: skip
+        if sync.scaler is not None:
+            summary["loss_scale"] = sync.scaler.scale
+        if self.bubbles:
+            # The first step of a process also agrees the transfer shapes: not a steady-state step.
+            steady = self.bubbles[1:] or self.bubbles
+            summary["bubble_fraction"] = sum(steady) / len(steady)
+        return summary
+
+    def write(self, run_dir: Path, summary: dict[str, Any], step: int) -> None:
+        """Rank 0: ``summary.json``, and for a pipelined run ``timeline.json`` (every action of
+        the last step, for ``loomtrain report``)."""
+        if self.bubbles:
+            (run_dir / "timeline.json").write_text(json.dumps(self.pm.pipeline.timeline(step)))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def record_start(events: EventLog, world_size: int, attempt: int, reached: int) -> None:
+    """Log a start, and for a restarted attempt (``attempt > 0``) the failure it follows: the
+    failed attempt had reached step ``reached``."""
+    events("start", world_size=world_size, attempt=attempt)
+    if attempt > 0:
+        events("failure_detected", failed_attempt=attempt - 1, reached_step=reached)
+        events("restart", attempt=attempt)
+
+
+def record_resume(events: EventLog, path: Path, step: int, saved_world: int, world: int, reached: int) -> None:
+    """Log a checkpoint load: which one, a change of world size, the steps to be redone
+    (those after the checkpoint that an earlier attempt had reached)."""
+    events("checkpoint_loaded", path=str(path), step=step, saved_world_size=saved_world)
+    if saved_world != world:
+        events("world_size_change", before=saved_world, after=world)
+    if reached > step:
+        events("steps_redone", count=reached - step, from_step=step + 1, to_step=reached)

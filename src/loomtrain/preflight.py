@@ -1,7 +1,10 @@
 """Checks that run before any process group is built or any file is written.
 
-The launcher (``loomtrain train``) calls :func:`check_launch` before starting workers; every
-worker calls it again, which covers a plain ``torchrun`` launch. All checks only read.
+The launcher (``loomtrain train``) calls :func:`check_launch` before starting workers, with
+cheap checkpoint checks (manifest and sizes); in the workers, :func:`check_once` runs the same
+checks once, on rank 0, with every checkpoint checksum it needs, and gives all ranks the
+verdict and the checkpoint to resume from. That covers a plain ``torchrun`` launch too, and a
+start hashes each checkpoint file at most once. All checks only read.
 """
 
 from __future__ import annotations
@@ -10,19 +13,22 @@ import tomllib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from loomtrain.checkpoint import find_latest_checkpoint, verify_checkpoint
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import check_data_files
-from loomtrain.distributed.parallel_dims import ParallelDims
+from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
 
 # Settings a resumed run must share with the run it continues: the checkpoint's tensors and
 # the saved tokenizer only fit these.
 _RESUME_FIXED = {"model": None, "data": None, "training": ("seq_len",)}
 
 
-def check_launch(cfg: Config, world_size: int) -> None:
-    """Everything checkable without a process group, for ``world_size`` processes.
+def check_launch(cfg: Config, world_size: int, hashes: bool = False) -> Path | None:
+    """Everything checkable without a process group, for ``world_size`` processes; returns
+    the checkpoint the run will resume from (``None``: a fresh start). ``hashes``: verify the
+    checkpoint's checksums (reads every byte) rather than only its manifest and sizes.
 
     Raises:
         ConfigError: bad world layout, data files, backend, or run-directory state.
@@ -31,7 +37,26 @@ def check_launch(cfg: Config, world_size: int) -> None:
     if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("distributed.backend='nccl' needs CUDA GPUs; none is visible here, use 'gloo' or 'auto'")
     check_data_files(cfg.data)
-    check_run_dir(cfg)
+    return check_run_dir(cfg, hashes)
+
+
+def check_once(cfg: Config, world_size: int) -> Path | None:
+    """:func:`check_launch` with checksums, run on rank 0 only; every rank gets its verdict (a
+    collective: one broadcast). Returns the checkpoint to resume from, or ``None``.
+
+    Raises:
+        ConfigError: on every rank, what rank 0's checks found.
+    """
+    verdict: list = [None, None]
+    if is_main_process():
+        try:
+            verdict[1] = check_launch(cfg, world_size, hashes=True)
+        except ConfigError as err:
+            verdict[0] = str(err)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConfigError(verdict[0])
+    return verdict[1]
 
 
 def check_world(cfg: Config, world_size: int) -> None:
@@ -46,8 +71,10 @@ def check_world(cfg: Config, world_size: int) -> None:
     cfg.validate_batch(ParallelDims.from_config(cfg.parallel, world_size).dp)
 
 
-def check_run_dir(cfg: Config) -> None:
-    """Refuse what would lose or corrupt an existing run.
+def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:
+    """Refuse what would lose or corrupt an existing run; returns the checkpoint to resume
+    from (``None``: a fresh start). ``hashes``: as for :func:`check_launch`; a checkpoint that
+    fails them is skipped, with a warning, in favour of the previous one.
 
     Raises:
         ConfigError: checkpoints present without ``--resume``/``--overwrite``; both given;
@@ -63,26 +90,28 @@ def check_run_dir(cfg: Config) -> None:
             raise ConfigError(
                 f"run.overwrite: {run_dir} exists but is not a loomtrain run (no config.toml); not deleting it"
             )
-        return
+        return None
     if resume == "never":
-        latest = find_latest_checkpoint(run_dir / "checkpoints", warn=False)
+        # Any checkpoint with a manifest marks a run that a fresh start would mix with: no checksums needed.
+        latest = find_latest_checkpoint(run_dir / "checkpoints", warn=False, hashes=False)
         if latest is not None:
             raise ConfigError(
                 f"run directory {run_dir} already has checkpoint {latest.name}; pass --resume auto to "
                 "continue it, --overwrite to start over, or --run.name=<new name>"
             )
-        return
+        return None
     if resume == "auto":
-        latest = find_latest_checkpoint(run_dir / "checkpoints", warn=False)
+        latest = find_latest_checkpoint(run_dir / "checkpoints", warn=hashes, hashes=hashes)
         if latest is None:
-            return
+            return None
     else:
         latest = Path(resume)
-        problem = verify_checkpoint(latest)
+        problem = verify_checkpoint(latest, hashes)
         if problem:
             raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {problem}")
     # <run>/checkpoints/step_N: the config beside the checkpoint, also when it is another run's.
     _check_same_run(cfg, latest.parent.parent / "config.toml")
+    return latest
 
 
 def _check_same_run(cfg: Config, saved_file: Path) -> None:

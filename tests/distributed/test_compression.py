@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from loomtrain.distributed.data_parallel import apply_data_parallel, build_bucke
 from loomtrain.distributed.spawn import spawn
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.models import Transformer
+from tests.distributed.checks import check_result, run_checks, spawn_once
 from tests.integration.test_train import TINY, losses, run_train
 
 # vocab 50 does not split evenly over 4 ranks: ZeRO's padding rows are part of the matrices.
@@ -54,10 +56,9 @@ def reduced_gradients(stage: int, cfg: CompressionConfig) -> list[dict[str, torc
         sync = apply_data_parallel(model, dist.group.WORLD, 0.01, hook)
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-        sync = apply_zero(model, mesh["dp"], stage, hook=hook)
+        sync = apply_zero(model, mesh["dp"], stage, model.layers.values(), hook=hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if stage:
-        sync.attach_optimizer(opt)
+    sync.attach_optimizer(opt)
     grads = []
     for step in range(STEPS):
         for i, (x, y) in enumerate(micro_batches(step)):
@@ -66,45 +67,49 @@ def reduced_gradients(stage: int, cfg: CompressionConfig) -> list[dict[str, torc
         sync.finish_gradient_sync()
         full = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
         grads.append({n: g.detach().clone() for n, g in full.items()})
+        assert sync.prepare_step(0.0)  # the protocol's call before the step (no scaler, no clipping)
         opt.step()
+        sync.after_step()
         sync.zero_grad()
     return grads
 
 
-def lossless_runs() -> dict:
-    return {(stage, name): reduced_gradients(stage, cfg) for stage in (0, 1, 2) for name, cfg in LOSSLESS.items()}
+def lossless_check(stage: int, name: str) -> str:
+    return f"lossless stage {stage} {name}"
 
 
 def all_runs(world: int) -> dict:
-    """One set of processes per world size (starting them dominates the cost)."""
+    """One set of processes per world size (starting them dominates the cost), each run a check
+    of its own (:func:`run_checks`): one that raises fails only the tests reading it."""
     if world == 1:
-        return {"feedback": feedback_runs(LOW_PRECISION)}
-    return {"lossless": lossless_runs(), "feedback": feedback_runs(FEEDBACK) if world == 2 else None}
+        return run_checks(
+            {f"feedback {name}": partial(feedback_runs, {name: cfg}) for name, cfg in LOW_PRECISION.items()}
+        )
+    checks = {
+        lossless_check(s, name): partial(reduced_gradients, s, cfg) for s in (0, 1, 2) for name, cfg in LOSSLESS.items()
+    }
+    if world == 2:
+        checks |= {f"feedback {name}": partial(feedback_runs, {name: cfg}) for name, cfg in FEEDBACK.items()}
+    return run_checks(checks)
 
 
-@pytest.fixture(scope="module")
-def results_by_world():
-    cache: dict[int, list] = {}
-
-    def get(world: int) -> list:
-        if world not in cache:
-            cache[world] = spawn(all_runs, world, world, timeout_s=240)
-        return cache[world]
-
-    return get
+def results_by_world(world: int) -> list[dict]:
+    """The results of :func:`all_runs` on ``world`` processes, spawned once per world size."""
+    return spawn_once(all_runs, world, world, timeout_s=240)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_lossless_settings_equal_plain_all_reduce(world, results_by_world):
+def test_lossless_settings_equal_plain_all_reduce(world):
     """Catches: a wrong average (sum, or divided twice), gradients of one rank or bucket lost,
     the wrong shard kept under ZeRO-2, ZeRO's rank-major layout misread as matrices (PowerSGD
     would then mix rows of different ranks), residuals that are not zero when all is sent."""
-    results = [r["lossless"] for r in results_by_world(world)]
+    results = results_by_world(world)
     for rank in range(world):
         for stage in (0, 1, 2):
-            plain = results[rank][(stage, "allreduce")]
+            plain = check_result(results, lossless_check(stage, "allreduce"), rank)
             for name in ("topk", "powersgd"):
-                for step, (got, want) in enumerate(zip(results[rank][(stage, name)], plain, strict=True)):
+                got_steps = check_result(results, lossless_check(stage, name), rank)
+                for step, (got, want) in enumerate(zip(got_steps, plain, strict=True)):
                     for p in want:
                         what = f"{name}, world {world}, stage {stage}, rank {rank}, step {step}, {p}"
                         if name == "topk":
@@ -136,9 +141,9 @@ def fake_gradient(step: int, rank: int, numel: int) -> torch.Tensor:
 
 
 def feedback_runs(configs: dict[str, CompressionConfig]) -> dict:
-    """Per method: what each step's reduction gave, the true mean gradients, the rank-averaged
-    final residual, bytes sent and dense bytes. The bucket holds a 12×16 and a 3×12 matrix and
-    their biases."""
+    """Per method (:func:`all_runs` passes one per call, each a check of its own): what each
+    step's reduction gave, the true mean gradients, the rank-averaged final residual, bytes sent
+    and dense bytes. The bucket holds a 12×16 and a 3×12 matrix and their biases."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 3))
     bucket = build_buckets(module, 2**30)[0]
@@ -161,12 +166,13 @@ def feedback_runs(configs: dict[str, CompressionConfig]) -> dict:
     return out
 
 
-def test_error_feedback_loses_nothing_and_ranks_agree(results_by_world):
+def test_error_feedback_loses_nothing_and_ranks_agree():
     """Catches: a residual that forgets what was not sent (the sum of updates drifts from the
     sum of gradients), ranks that decode to different updates (replicas diverge), warm-up that
     compresses anyway, momentum correction without factor masking (velocity sent twice),
     PowerSGD updates of a rank above the configured one."""
-    results = [r["feedback"] for r in results_by_world(2)]
+    spawned = results_by_world(2)
+    results = [{name: check_result(spawned, f"feedback {name}", rank)[name] for name in FEEDBACK} for rank in (0, 1)]
     for name in FEEDBACK:
         sent, true, residual, sent_bytes, dense_bytes, matrices = results[0][name]
         assert all(torch.equal(a, b) for a, b in zip(sent, results[1][name][0], strict=True)), name
@@ -189,11 +195,11 @@ def test_error_feedback_loses_nothing_and_ranks_agree(results_by_world):
     assert not torch.allclose(warm[1], results[0]["topk_warmup"][1][1], atol=1e-3)
 
 
-def test_low_precision_powersgd_feeds_its_rounding_back(results_by_world):
+def test_low_precision_powersgd_feeds_its_rounding_back():
     """Catches: a residual formed from this rank's Q before it was rounded to bf16 (the
     rounding, 2^-8 relative, would then be lost every step). One rank, so the collective sums
     nothing and what was sent plus the residual must equal the gradients to fp32 accuracy."""
-    sent, true, residual, *_ = results_by_world(1)[0]["feedback"]["powersgd_bf16"]
+    sent, true, residual, *_ = check_result(results_by_world(1), "feedback powersgd_bf16")["powersgd_bf16"]
     torch.testing.assert_close(sum(sent) + residual, sum(true), rtol=1e-5, atol=1e-5)
 
 

@@ -16,10 +16,14 @@ data-parallel average sums in another order.
 
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from loomtrain.checkpoint import CheckpointManager, TrainState
 from loomtrain.config import load_config
 from loomtrain.distributed.data_parallel import AllReduceHook
 from loomtrain.distributed.parallel_dims import ParallelDims
@@ -27,6 +31,7 @@ from loomtrain.distributed.spawn import spawn
 from loomtrain.models import Transformer
 from loomtrain.models.parallelize import parallelize_llama
 from loomtrain.trainer import train_step
+from tests.distributed.checks import CheckFailed, check_result, passed, run_checks
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -69,8 +74,9 @@ def batches(step: int, global_batch: int, dp_rank: int, dp: int, micro: int):
     return [(t[:, :-1], t[:, 1:]) for t in mine.split(micro)]
 
 
-def train_params(extra: list[str]) -> dict[str, torch.Tensor]:
-    """Full parameters after ``STEPS`` trainer steps on this process group's layout."""
+def train_params(extra: list[str], save: bool = False) -> dict[str, torch.Tensor]:
+    """Full parameters after ``STEPS`` trainer steps on this process group's layout; with
+    ``save``, a checkpoint of step ``STEPS`` is written to ``run.out_dir`` first."""
     cfg = load_config(None, [*BASE, *extra])
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     torch.manual_seed(0)
@@ -78,38 +84,54 @@ def train_params(extra: list[str]) -> dict[str, torch.Tensor]:
     pm = parallelize_llama(model, dims, cfg, AllReduceHook())
     # SGD, unlike Adam, is not invariant to the gradient's scale: a wrong loss factor shows.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    if cfg.data_parallel.zero_stage:
-        pm.sync.attach_optimizer(optimizer)
+    pm.sync.attach_optimizer(optimizer)
     t = cfg.training
     for step in range(STEPS):
         train_step(pm, optimizer, batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size),
                    cfg, CPU)  # fmt: skip
+    if save:
+        CheckpointManager(Path(cfg.run.out_dir), keep_last=1).save(STEPS, model, optimizer, TrainState(STEPS, {}), pm)
     pm.sync.remove()
     return {name: p.detach().clone() for name, p in pm.full_model().named_parameters()}
 
 
-def run_cases(cases: dict[str, list[str]]) -> dict[str, dict[str, torch.Tensor]]:
-    out = {name: train_params(extra) for name, extra in cases.items()}
+def run_cases(cases: dict[str, list[str]]) -> dict[str, dict[str, torch.Tensor] | CheckFailed]:
+    """Each case's :func:`train_params`, by case name, on rank 0 (``{}`` on the others). Each
+    case is a check of its own (:func:`run_checks`): a case that raises is a ``CheckFailed``
+    in its place (naming every rank it raised on), which :func:`assert_same` reports, and the
+    other cases still run."""
+    out = run_checks({name: partial(train_params, extra) for name, extra in cases.items()})
     return out if dist.get_rank() == 0 else {}
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """Single-process parameters per global batch size (the layouts' only other difference)."""
-    sizes = {global_batch(e) for e in (*WORLD2.values(), *WORLD4.values())}
-    return spawn(run_cases, 1, {g: [f"--training.global_batch_size={g}"] for g in sizes}, timeout_s=300)[0]
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return spawn(run_cases, 2, WORLD2, timeout_s=600)[0]
 
 
 def global_batch(extra: list[str]) -> str:
     return next((a.split("=")[1] for a in extra if "global_batch_size" in a), "8")
 
 
+def reference_case(extra: list[str]) -> str:
+    """The name of the single-process case with ``extra``'s global batch size."""
+    return f"1 process, global batch {global_batch(extra)}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process parameters per global batch size (the layouts' only other difference)."""
+    cases = {
+        reference_case(e): [f"--training.global_batch_size={global_batch(e)}"]
+        for e in (*WORLD2.values(), *WORLD4.values())
+    }
+    return spawn(run_cases, 1, cases, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(run_cases, 2, WORLD2, timeout_s=600)
+
+
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], name: str) -> None:
+    """``got`` equals ``want`` (1e-5 relative, 1e-7 absolute); either may be a case of
+    :func:`run_cases` that raised, which fails the test naming that case."""
+    got, want = passed(got), passed(want)
     assert got.keys() == want.keys(), name
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
@@ -121,14 +143,14 @@ def test_pipeline_parameters_equal_single_process_pp2(reference, world2):
     ranks; a time-balanced split that differs between ranks."""
     for name, extra in WORLD2.items():
         if name != "dp2":
-            assert_same(world2[name], reference[global_batch(extra)], name)
+            assert_same(check_result(world2, name), check_result(reference, reference_case(extra)), name)
 
 
 def test_pipeline_parameters_equal_single_process_pp4_and_pp2_dp2(reference, world2):
     """Catches, besides the pp = 2 bugs: a hang or wrong result with fewer micro-batches than
     stages; with pp × dp, gradients reduced before a stage's last backward, twice, or not at all
     (ZeRO 0-3; stage 3 also re-gathering stale parameters prefetched in the previous step)."""
-    got = spawn(run_cases, 4, WORLD4, timeout_s=600)[0]
+    got = spawn(run_cases, 4, WORLD4, timeout_s=600)
     for name, extra in WORLD4.items():
-        want = world2["dp2"] if "dp2" in name else reference[global_batch(extra)]
-        assert_same(got[name], want, name)
+        want = check_result(world2, "dp2") if "dp2" in name else check_result(reference, reference_case(extra))
+        assert_same(check_result(got, name), want, name)

@@ -4,12 +4,15 @@ Every rank builds the unsharded layer or model from the same seed, runs it as th
 then shards a copy and runs that. Outputs, input gradients and weight gradients must match the
 reference's matching slice (chunk layout) within RTOL of the reference tensor's largest entry
 (fp32; only the order of floating-point sums differs). One spawn per world size runs every
-check (spawning costs seconds); the tests then read its results.
+check (spawning costs seconds), each reporting its own result (``checks.run_checks``); the tests
+then read the results of theirs.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -24,11 +27,12 @@ from loomtrain.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.models import Transformer
+from loomtrain.models.parallelize import apply_tensor_parallel
+from tests.distributed.checks import check_result, run_checks
 
 RTOL = 1e-5
 B, S = 2, 8
@@ -153,30 +157,39 @@ def error_message(cfg: ModelConfig, seq: int, sp: bool) -> str:
     return "no error"
 
 
+def seeded(seed: int, check: Callable, *args) -> Callable[[], object]:
+    """``check(*args)`` after seeding torch's generator with ``seed`` (the same on every rank)."""
+
+    def run():
+        torch.manual_seed(seed)
+        return check(*args)
+
+    return run
+
+
+def mode(sp: bool) -> str:
+    return "sp" if sp else "tp"
+
+
 def run_all() -> dict:
-    """Every check on this rank; each seeds the same way on all ranks."""
+    """Every check on this rank, each a check of its own (:func:`run_checks`) seeded the same
+    way on all ranks."""
     world = dist.get_world_size()
-    out: dict = {"layers": {}, "models": {}, "errors": {}}
+    checks = {}
     for sp in (False, True):
         for name, check in (("column", check_column), ("row", check_row), ("embedding", check_embedding)):
-            torch.manual_seed(1)
-            out["layers"][name, sp] = check(sp)
+            checks[f"{name} {mode(sp)}"] = seeded(1, check, sp)
         for name, cfg in MODELS.items():
             if cfg.kv_heads % world == 0:
-                torch.manual_seed(0)
-                out["models"][name, sp] = check_model(cfg, sp)
-    torch.manual_seed(2)
-    out["layers"]["cross entropy", False] = check_cross_entropy()
+                checks[f"model {name} {mode(sp)}"] = seeded(0, check_model, cfg, sp)
+    checks["cross entropy"] = seeded(2, check_cross_entropy)
     if world == 2:
-        torch.manual_seed(3)
-        out["traffic"] = {sp: block_traffic(sp) for sp in (False, True)}
+        checks["traffic"] = seeded(3, lambda: {sp: block_traffic(sp) for sp in (False, True)})
     if world == 4:
-        out["errors"] = {
-            "heads": error_message(ModelConfig(n_heads=6, dim=48, vocab_size=VOCAB), 8, False),
-            "kv heads": error_message(MODELS["gqa"], 8, False),
-            "sequence": error_message(BASE, 6, True),
-        }
-    return out
+        checks["error heads"] = partial(error_message, ModelConfig(n_heads=6, dim=48, vocab_size=VOCAB), 8, False)
+        checks["error kv heads"] = partial(error_message, MODELS["gqa"], 8, False)
+        checks["error sequence"] = partial(error_message, BASE, 6, True)
+    return run_checks(checks)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"tp{w}")
@@ -195,22 +208,23 @@ def assert_matches(checks: dict, what: str) -> None:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("layer", ["column", "row", "embedding"])
 def test_layer_matches_unsharded(results, layer, sp):
-    """Catches a wrong shard layout (uneven chunk), a missing or doubled collective in forward
+    """Catches: a wrong shard layout (uneven chunk), a missing or doubled collective in forward
     (output) or backward (input gradient: f's all-reduce, the gather's reduce-scatter), and a
     lookup that does not zero out-of-range tokens (embedding)."""
-    _, ranks = results
-    for rank, out in enumerate(ranks):
-        assert_matches(out["layers"][layer, sp], f"rank {rank} {layer}")
+    world, ranks = results
+    for rank in range(world):
+        assert_matches(check_result(ranks, f"{layer} {mode(sp)}", rank), f"rank {rank} {layer}")
 
 
 def test_vocab_parallel_cross_entropy_matches_full(results):
-    """Catches a local instead of global max or normaliser, a target logit counted on the
+    """Catches: a local instead of global max or normaliser, a target logit counted on the
     wrong rank (vocabulary offset of an uneven split), and an unscaled backward."""
-    _, ranks = results
-    for rank, out in enumerate(ranks):
-        loss = out["layers"]["cross entropy", False]["loss"][0]
+    world, ranks = results
+    for rank in range(world):
+        out = check_result(ranks, "cross entropy", rank)
+        loss = out["loss"][0]
         assert loss.dtype == torch.float32 and loss.dim() == 0
-        assert_matches(out["layers"]["cross entropy", False], f"rank {rank} cross entropy")
+        assert_matches(out, f"rank {rank} cross entropy")
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
@@ -221,10 +235,10 @@ def test_model_matches_single_process(results, variant, sp):
     (the output head's gradient lost), changed state_dict keys, a shard map that misses a
     parameter or names the wrong dim."""
     world, ranks = results
-    if (variant, sp) not in ranks[0]["models"]:
+    if MODELS[variant].kv_heads % world:
         pytest.skip(f"{variant}: kv heads not divisible by tp={world}")
-    for rank, out in enumerate(ranks):
-        result = out["models"][variant, sp]
+    for rank in range(world):
+        result = check_result(ranks, f"model {variant} {mode(sp)}", rank)
         assert_matches(result["checks"], f"rank {rank} {variant}")
         facts = result["facts"]
         assert facts["same keys"]
@@ -234,27 +248,28 @@ def test_model_matches_single_process(results, variant, sp):
 
 
 def test_block_traffic_is_megatrons(results):
-    """Megatron (Korthikanti et al. 2022, Table 2 / §4.2.2): per block, 4 collectives of
-    b·s·h elements, 8·b·s·h·(t−1)/t elements in all, in either mode; sequence parallelism adds
-    only the all-reduce of the two norm weights' gradients, 2·2·h·(t−1)/t elements. Catches a
-    ``f`` applied once per projection (wq, wk, wv each all-reducing their input gradient)."""
+    """Catches: a ``f`` applied once per projection (wq, wk, wv each all-reducing their input
+    gradient), a collective missing from the ``tp`` traffic count. Megatron (Korthikanti et
+    al. 2022, Table 2 / §4.2.2): per block, 4 collectives of b·s·h elements, 8·b·s·h·(t−1)/t
+    elements in all, in either mode; sequence parallelism adds only the all-reduce of the two
+    norm weights' gradients, 2·2·h·(t−1)/t elements."""
     world, ranks = results
     if world != 2:
         pytest.skip("measured at tp=2")
     t, h, fp32 = world, BASE.dim, 4
     megatron = 8 * B * S * h * (t - 1) // t * fp32
     norms = 2 * 2 * h * (t - 1) // t * fp32
-    for out in ranks:
-        assert out["traffic"] == {False: megatron, True: megatron + norms}
+    for rank in range(world):
+        assert check_result(ranks, "traffic", rank) == {False: megatron, True: megatron + norms}
 
 
 def test_invalid_degrees_rejected(results):
-    """Catches a split that leaves a rank part of a head, and a sequence that cannot be split
+    """Catches: a split that leaves a rank part of a head, and a sequence that cannot be split
     evenly under sequence parallelism (silently wrong shapes otherwise)."""
     world, ranks = results
     if world != 4:
         pytest.skip("checked at tp=4")
-    errors = ranks[0]["errors"]
-    assert "model.n_heads=6 is not divisible by parallel.tensor_parallel_degree=4" in errors["heads"]
-    assert "model.n_kv_heads=2 is not divisible by parallel.tensor_parallel_degree=4" in errors["kv heads"]
-    assert "sequence length 6 is not divisible by parallel.tensor_parallel_degree=4" in errors["sequence"]
+    heads, kv_heads, sequence = (check_result(ranks, f"error {what}") for what in ("heads", "kv heads", "sequence"))
+    assert "model.n_heads=6 is not divisible by parallel.tensor_parallel_degree=4" in heads
+    assert "model.n_kv_heads=2 is not divisible by parallel.tensor_parallel_degree=4" in kv_heads
+    assert "sequence length 6 is not divisible by parallel.tensor_parallel_degree=4" in sequence

@@ -4,12 +4,13 @@ Tolerance: 1e-5 relative (atol 1e-7 for near-zero entries), fp32. Attention over
 sequence is the same computation as in one process; only the order of sums in the gradient
 averaging over ranks differs.
 
-One spawn per world size (2 and 4) runs every case; the tests read its results.
+One spawn per world size (2 and 4) runs every case, each reporting its own result
+(``checks.run_checks``); the tests read the results of theirs.
 """
 
 from __future__ import annotations
 
-import functools
+from functools import partial
 
 import pytest
 import torch
@@ -17,11 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loomtrain.config import ModelConfig
-from loomtrain.distributed.sequence_parallel import UlyssesAttention, apply_ulysses
-from loomtrain.distributed.spawn import spawn
+from loomtrain.distributed.sequence_parallel import UlyssesAttention
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.models import Transformer
 from loomtrain.models.llama import CoreAttention
+from loomtrain.models.parallelize import apply_ulysses
+from tests.distributed.checks import check_result, run_checks, spawn_once
 
 RTOL, ATOL = 1e-5, 1e-7
 B, S, HEAD_DIM = 2, 8, 4
@@ -89,17 +91,22 @@ def too_few_heads_message() -> str:
     return "accepted"
 
 
+def attention_check(n_heads: int, n_kv: int) -> str:
+    return f"attention Hq={n_heads} Hkv={n_kv}"
+
+
 def all_cases() -> dict:
-    return {
-        "attention": {case: ulysses_attention(*case) for case in ATTENTION_CASES},
-        "model": {name: ulysses_model(cfg) for name, cfg in MODELS.items()},
-        "too_few_heads": too_few_heads_message(),
-    }
+    """Every case, each a check of its own (:func:`run_checks`): one that raises fails only the
+    tests reading it."""
+    checks = {attention_check(*case): partial(ulysses_attention, *case) for case in ATTENTION_CASES}
+    checks |= {f"model {name}": partial(ulysses_model, cfg) for name, cfg in MODELS.items()}
+    checks["too few heads"] = too_few_heads_message
+    return run_checks(checks)
 
 
-@functools.cache
 def results(sp: int) -> list[dict]:
-    return spawn(all_cases, sp, timeout_s=120.0)
+    """:func:`all_cases` on ``sp`` ranks, spawned once per ``sp`` for all the tests."""
+    return spawn_once(all_cases, sp, timeout_s=120.0)
 
 
 def reference_attention(n_heads: int, n_kv: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -126,9 +133,9 @@ def test_attention_equals_full_sequence_slice(sp, case):
     order), a backward that is not the reverse all-to-all, uneven head counts mis-split, GQA
     ranks attending with key/value heads of other query groups."""
     want_out, want_grads = reference_attention(*case)
-    for rank, result in enumerate(results(sp)):
+    for rank in range(sp):
         sl = local_slice(S, rank, sp)
-        got = result["attention"][case]
+        got = check_result(results(sp), attention_check(*case), rank)
         torch.testing.assert_close(got["out"], want_out[:, :, sl], rtol=RTOL, atol=ATOL)
         for name, got_grad, want_grad in zip("qkv", got["grads"], want_grads, strict=True):
             torch.testing.assert_close(
@@ -143,7 +150,7 @@ def test_transformer_loss_and_grads_equal_single_process(sp, name):
     causal masking applied per slice instead of over the whole sequence, a core left unwrapped,
     gradients of the all-to-all lost in backward."""
     want_loss, want_grads = reference_model(MODELS[name])
-    ranks = [r["model"][name] for r in results(sp)]
+    ranks = [check_result(results(sp), f"model {name}", rank) for rank in range(sp)]
     assert sum(loss for loss, _ in ranks) / sp == pytest.approx(want_loss, rel=RTOL)
     for _, grads in ranks:
         for param, want in want_grads.items():
@@ -160,12 +167,13 @@ def test_all_to_all_bytes_match_formula(sp):
     local = B * (S // sp) * HEAD_DIM * 4
     for n_heads, n_kv in [(4, 4), (8, 4)]:
         per_direction = (sp - 1) * local * (2 * n_heads + 2 * n_kv) // sp
-        for result in results(sp):
-            assert result["attention"][(n_heads, n_kv)]["bytes"] == (per_direction, 2 * per_direction)
+        for rank in range(sp):
+            got = check_result(results(sp), attention_check(n_heads, n_kv), rank)["bytes"]
+            assert got == (per_direction, 2 * per_direction), f"rank {rank}"
 
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_fewer_heads_than_ranks_is_rejected(sp):
     """Catches: a rank left with no heads going on to a shape error inside the all-to-all."""
-    for result in results(sp):
-        assert result["too_few_heads"].startswith(f"model.n_heads={sp - 1} is smaller than")
+    for rank in range(sp):
+        assert check_result(results(sp), "too few heads", rank).startswith(f"model.n_heads={sp - 1} is smaller than")

@@ -9,7 +9,9 @@ test uses AdamW, since its moments are what must survive resharding.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,13 +25,14 @@ from loomtrain.config import Config, ConfigError, ModelConfig, TrainingConfig, l
 from loomtrain.distributed.data_parallel import apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import ParallelDims
+from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.spawn import spawn
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.models import Transformer
-from loomtrain.models.parallelize import ParallelModel
 from loomtrain.optim import build_optimizer
 from loomtrain.trainer import train_step
+from tests.distributed.checks import check_result, run_checks
 from tests.distributed.test_data_parallel import WithUnused
 
 # vocab 50 and hidden 96 are not divisible by 4 ranks' rows evenly in every case (50 = 4·13 − 2):
@@ -63,13 +66,15 @@ def build(stage: int, mp: MixedPrecision | None = None, scaler: DynamicLossScale
     if stage == 0:
         return model, apply_data_parallel(model, dist.group.WORLD, 0.01)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    return model, apply_zero(model, mesh["dp"], stage, mp, scaler=scaler)
+    return model, apply_zero(model, mesh["dp"], stage, model.layers.values(), mp, scaler=scaler)
 
 
 def run_step(model, sync, opt, batches, cfg: Config) -> float:
     """One training step of the trainer's own ``train_step`` on a data-parallel-only layout."""
     dims = ParallelDims(dp=dist.get_world_size(), world_size=dist.get_world_size())
-    return train_step(ParallelModel(model, sync, dims, {}, Traffic()), opt, batches, cfg, CPU)
+    return train_step(
+        ParallelModel(model, sync, dims, {}, Traffic(), lambda: Transformer(MODEL)), opt, batches, cfg, CPU
+    )
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -79,8 +84,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def sgd_run(stage: int, world: int, mp: MixedPrecision | None = None) -> dict[str, torch.Tensor]:
     model, sync = build(stage, mp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
-    if stage:
-        sync.attach_optimizer(opt)
+    sync.attach_optimizer(opt)
     cfg = config(grad_clip=0.05)  # small enough that clipping is active on every step
     for step in range(STEPS):
         run_step(model, sync, opt, micro_batches(step, world, ACCUM), cfg)
@@ -97,7 +101,7 @@ def adam_state_bytes(stage: int, precision: tuple[str, str]) -> dict[str, int]:
     opt = build_optimizer(model, config(1.0).training)
     sync.attach_optimizer(opt)
     run_step(model, sync, opt, micro_batches(0, dist.get_world_size(), 1), config(1.0))
-    return sync.state_bytes
+    return sync.state_bytes()
 
 
 def fp16_overflow_skips_step() -> tuple[bool, float, float, bool]:
@@ -112,9 +116,10 @@ def fp16_overflow_skips_step() -> tuple[bool, float, float, bool]:
     sync.finish_gradient_sync()
     if dist.get_rank() == 0:  # an overflow on one rank's shard only must still skip everywhere
         next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
-    stepped = sync.unscale_and_clip_(1.0)
+    stepped = sync.prepare_step(1.0)
     if stepped:
         opt.step()
+        sync.after_step()
     sync.zero_grad()
     unchanged = all(torch.equal(b, full(p)) for b, p in zip(before, model.parameters(), strict=True))
     return stepped, 1024.0, scaler.scale, unchanged
@@ -127,28 +132,34 @@ def unused_parameter_grads(stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = WithUnused()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    sync = apply_zero(model, mesh["dp"], stage)
+    sync = apply_zero(model, mesh["dp"], stage, [])
     model(torch.full((2, 4), float(dist.get_rank()))).sum().backward()
     sync.finish_gradient_sync()
     return full(model.used.weight.grad), full(model.unused.weight.grad)
 
 
+def bytes_check(stage: int, precision: tuple[str, str]) -> str:
+    return f"state bytes stage {stage} {'/'.join(precision)}"
+
+
 def zero_checks(world: int, ckpt_dir: str) -> dict:
-    """Everything one world size checks, in one spawn (process start-up dominates the time).
+    """Everything one world size checks, in one spawn (process start-up dominates the time),
+    each a check of its own (:func:`run_checks`): one that raises fails only the tests reading it.
     World size 4 writes the stage-3 checkpoint that world size 2 then loads."""
-    out = {"sgd": {stage: sgd_run(stage, world) for stage in (0, 1, 2, 3)}}
     bf16 = {reduce: MixedPrecision.from_names("bf16", reduce) for reduce in ("fp32", "bf16")}
-    out["bf16"] = {(1, "fp32"): sgd_run(1, world, bf16["fp32"])}
-    out["bf16"] |= {(stage, "bf16"): sgd_run(stage, world, bf16["bf16"]) for stage in (1, 2, 3)}
-    out["bytes"] = {(s, p): adam_state_bytes(s, p) for s in (1, 2, 3) for p in PRECISIONS}
-    out["n_params"] = sum(p.numel() for p in Transformer(MODEL).parameters())
+    checks = {f"sgd stage {stage}": partial(sgd_run, stage, world) for stage in (0, 1, 2, 3)}
+    checks["bf16 stage 1 reduce fp32"] = partial(sgd_run, 1, world, bf16["fp32"])
+    checks |= {f"bf16 stage {stage} reduce bf16": partial(sgd_run, stage, world, bf16["bf16"]) for stage in (1, 2, 3)}
+    checks |= {bytes_check(s, p): partial(adam_state_bytes, s, p) for s in (1, 2, 3) for p in PRECISIONS}
+    checks["n_params"] = lambda: sum(p.numel() for p in Transformer(MODEL).parameters())
     if world == 4:
-        out["saved"] = save_then_continue(ckpt_dir, 3, CKPT_STEPS)
+        checks["save"] = partial(save_then_continue, ckpt_dir, 3, CKPT_STEPS)
     if world == 2:
-        out["fp16"] = fp16_overflow_skips_step()
-        out["unused"] = {stage: unused_parameter_grads(stage) for stage in (1, 2, 3)}
-        out["loaded"] = load_then_continue(ckpt_dir, (3, 1), CKPT_STEPS)
-    return out
+        checks["fp16 overflow"] = fp16_overflow_skips_step
+        checks |= {f"unused stage {stage}": partial(unused_parameter_grads, stage) for stage in (1, 2, 3)}
+        for stage in (3, 1):
+            checks[f"load stage {stage}"] = partial(load_then_continue, ckpt_dir, (stage,), CKPT_STEPS)
+    return run_checks(checks)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +174,11 @@ def world4(ckpt_dir):
 
 
 @pytest.fixture(scope="module")
-def world2(ckpt_dir, world4):  # after world4: it loads the checkpoint world4 wrote
+def world2(ckpt_dir, request):
+    # After world4: it writes the checkpoint loaded here. Should world4's spawn itself crash,
+    # world 2's checks still run (its load checks then fail on the missing checkpoint).
+    with contextlib.suppress(Exception):
+        request.getfixturevalue("world4")
     return spawn(zero_checks, 2, 2, ckpt_dir)
 
 
@@ -177,9 +192,9 @@ def test_stages_match_plain_data_parallel_with_accumulation_and_clipping(checks)
     missing or doubled average, clipping by a rank-local norm, accumulation lost in no_sync."""
     world, results = checks
     for rank in range(world):
-        ref = results[rank]["sgd"][0]
+        ref = check_result(results, "sgd stage 0", rank)
         for stage in (1, 2, 3):
-            got = results[rank]["sgd"][stage]
+            got = check_result(results, f"sgd stage {stage}", rank)
             for name, want in ref.items():
                 torch.testing.assert_close(
                     got[name], want, rtol=RTOL, atol=1e-7,
@@ -193,9 +208,9 @@ def test_bf16_reduction_matches_fp32_reduction(checks):
     bf16 only rounds them (8 bits of mantissa): parameters after 5 steps agree within 1e-3 of
     each tensor's largest magnitude (measured: up to 1.6e-4), where a misplaced shard is O(1)."""
     world, results = checks
-    ref = results[0]["bf16"][(1, "fp32")]
+    ref = check_result(results, "bf16 stage 1 reduce fp32")
     for stage in (1, 2, 3):
-        got = results[0]["bf16"][(stage, "bf16")]
+        got = check_result(results, f"bf16 stage {stage} reduce bf16")
         for name, want in ref.items():
             err = ((got[name] - want).abs().max() / want.abs().max()).item()
             assert err <= 1e-3, f"stage {stage} world {world} {name}: {err:.2e}"
@@ -233,8 +248,9 @@ def test_model_state_bytes_match_zero_formulas(checks):
     parameters or gradients, full gradients kept in stage 2, an fp32 gradient kept in the
     bf16-reduce configuration)."""
     world, results = checks
-    psi = results[0]["n_params"]
-    for (stage, precision), measured in results[0]["bytes"].items():
+    psi = check_result(results, "n_params")
+    for stage, precision in ((s, p) for s in (1, 2, 3) for p in PRECISIONS):
+        measured = check_result(results, bytes_check(stage, precision))
         total = sum(measured.values())
         want = formula_bytes(stage, precision, psi, world)
         where = f"stage {stage} {precision} world {world}: {measured}"
@@ -250,7 +266,7 @@ def test_fp16_overflow_skips_step_and_halves_scale(checks):
     if world != 2:
         pytest.skip("checked at world size 2")
     for rank in range(world):
-        stepped, before, after, unchanged = results[rank]["fp16"]
+        stepped, before, after, unchanged = check_result(results, "fp16 overflow", rank)
         assert not stepped and after == before / 2 and unchanged
 
 
@@ -267,8 +283,7 @@ def snapshot(model, opt) -> dict[str, torch.Tensor]:
 def adam_setup(stage: int):
     model, sync = build(stage)
     opt = build_optimizer(model, config(1.0).training)
-    if stage:
-        sync.attach_optimizer(opt)
+    sync.attach_optimizer(opt)
     return model, sync, opt
 
 
@@ -308,8 +323,8 @@ def test_stage3_checkpoint_reshards_to_other_world_sizes_and_stages(world4, worl
     step's loss (the global mean over the same 8 sequences) within 1e-5 relative of the run
     that never stopped.
     """
-    saved, loss_next = world4[0]["saved"]
-    loaded = {f"world 2 stage {k}": v for k, v in world2[0]["loaded"].items()}
+    saved, loss_next = check_result(world4, "save")
+    loaded = {f"world 2 stage {k}": check_result(world2, f"load stage {k}")[k] for k in (3, 1)}
     loaded["1 process"] = spawn(load_then_continue, 1, ckpt_dir, (0,), CKPT_STEPS)[0][0]
     for where, (state, loss) in loaded.items():
         assert state.keys() == saved.keys()
@@ -328,6 +343,7 @@ def test_bad_zero_settings_are_refused_by_the_config():
 
 def test_unused_parameter_is_reduced_as_zero_instead_of_hanging(world2):
     """Catches: a unit whose reduction waits forever for a gradient that never comes."""
-    for stage, (used, unused) in world2[0]["unused"].items():
+    for stage in (1, 2, 3):
+        used, unused = check_result(world2, f"unused stage {stage}")
         assert torch.count_nonzero(unused) == 0, stage
         assert torch.allclose(used, torch.full_like(used, 0.5 * 2)), stage  # mean of inputs 0 and 1, batch 2

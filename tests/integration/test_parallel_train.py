@@ -106,20 +106,39 @@ def test_parallel_losses_equal_single_process(tmp_path, reference, name, world, 
         assert by_axis["pp"] == micro_batches * 2 * 32 * 32 * 4
 
 
-@pytest.mark.parametrize("axis, degree", [("tp", "tensor_parallel_degree"), ("pp", "pipeline_parallel_degree")])
-def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, axis, degree):
+DEGREES = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}
+
+
+@pytest.fixture(scope="module")
+def two_way(tmp_path_factory):
+    """Step-5 checkpoint of a 2-way tp or pp run, per axis (each trained once, on first use)."""
+    out, cache = tmp_path_factory.mktemp("two_way"), {}
+
+    def checkpoint_for(axis: str):
+        if axis not in cache:
+            train(2, out, f"{axis}2", f"--parallel.{DEGREES[axis]}=2")
+            cache[axis] = out / f"{axis}2" / "checkpoints" / "step_00000005"
+        return cache[axis]
+
+    return checkpoint_for
+
+
+# One test per (saved layout, resumed layout): a failed resume on one layout no longer hides
+# whether the others work.
+@pytest.mark.parametrize(
+    "axis, world, extra",
+    [("tp", 1, []), ("pp", 1, []), ("pp", 4, ["--parallel.pipeline_parallel_degree=2"])],
+    ids=["tp2_to_one", "pp2_to_one", "pp2_to_pp2_dp2"],
+)
+def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, two_way, axis, world, extra):
     """Catches: tensor-parallel shards saved as if replicated (DCP would keep one rank's
     shard), optimizer moments that do not reshard, pipeline stages saving parameters under
     stage-local names, or a pipeline rank refusing (or half-loading) a checkpoint because it
     holds only some of the saved parameters: a resumed run would not continue the 2-way run's
     losses. Both resume on one process; the pipelined run also as pp 2 × dp 2."""
-    train(2, tmp_path, f"{axis}2", f"--parallel.{degree}=2")
-    checkpoint = tmp_path / f"{axis}2" / "checkpoints" / "step_00000005"
-    layouts = {"one": (1, [])} | ({"pp2_dp2": (4, [f"--parallel.{degree}=2"])} if axis == "pp" else {})
-    for name, (world, extra) in layouts.items():
-        summary = train(world, tmp_path, name, *extra, f"--checkpoint.resume={checkpoint}")
-        assert summary["start_step"] == 5
-        resumed = losses(tmp_path / name)
-        assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert manifest["layout"][axis] == 2
+    checkpoint = two_way(axis)
+    assert json.loads((checkpoint / "manifest.json").read_text())["layout"][axis] == 2
+    summary = train(world, tmp_path, "resumed", *extra, f"--checkpoint.resume={checkpoint}")
+    assert summary["start_step"] == 5
+    resumed = losses(tmp_path / "resumed")
+    assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})

@@ -1,5 +1,5 @@
 """Trainer paths beyond the default: your own files with a BPE tokenizer under bf16 autocast,
-and (where a GPU exists) CUDA with NCCL."""
+fp16 loss scaling across a resume, and (where a GPU exists) CUDA with NCCL."""
 
 from __future__ import annotations
 
@@ -50,17 +50,36 @@ def test_cuda_nccl_bf16_single_gpu(tmp_path, monkeypatch, zero_stage):
     assert summary["final_step"] == 10 and 0 < summary["mfu"] < 1
 
 
-def test_fp16_loss_scale_survives_a_resume(tmp_path):
-    """Catches: a resumed fp16 run restarting at the initial loss scale (it would overflow and
-    skip steps again that the uninterrupted run no longer skips)."""
-    import torch.distributed.checkpoint as dcp
+def loss_scales(run_dir) -> dict[int, float]:
+    """step → ``loss_scale`` logged for it (the scale after that step's update)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss_scale"] for r in records}
 
-    common = [*TINY, f"--run.out_dir={tmp_path}", "--data_parallel.zero_stage=2", "--data_parallel.param_dtype=fp16",
-              "--data_parallel.loss_scale_init=1e30", "--checkpoint.interval=1000"]  # fmt: skip
-    first = spawn(run_train, 2, [*common, "--training.steps=6"], timeout_s=180)[0]
-    assert first["loss_scale"] < 1e30
-    state = {"train": ""}
-    dcp.load(state, checkpoint_id=tmp_path / "shakespeare_char" / "checkpoints" / "step_00000006")
-    assert json.loads(state["train"])["extra"]["loss_scaler"]["scale"] == first["loss_scale"]
-    again = spawn(run_train, 2, [*common, "--training.steps=6", "--checkpoint.resume=auto"], timeout_s=180)[0]
-    assert again["loss_scale"] == first["loss_scale"]
+
+@pytest.mark.parametrize(
+    "init, growth_interval, expected",
+    [
+        # 1e30 overflows fp16 at every one of these steps (it takes ~80 halvings to fit): halved each step.
+        (1e30, 1000, lambda step: 1e30 * 0.5**step),
+        # 1 never overflows: doubled after every 3rd good step in a row.
+        (1.0, 3, lambda step: 2.0 ** (step // 3)),
+    ],
+    ids=["backoff", "growth"],
+)
+def test_fp16_loss_scale_survives_a_resume(tmp_path, init, growth_interval, expected):
+    """Catches: a resumed fp16 run restarting at the initial loss scale (it would overflow and
+    skip steps again that the uninterrupted run no longer skips), or forgetting its count of
+    good steps (it would grow the scale late). Steps 1-4 run, save and stop; the resumed run
+    must continue the scale's history through step 8 as if it had never stopped: halving on
+    every overflow from 1e30 / 16, or doubling at step 6, three good steps after step 3's
+    growth (at step 7 if the count restarted at 0 on resume)."""
+    common = [*TINY, f"--run.out_dir={tmp_path}", "--run.name=fp16", "--data_parallel.zero_stage=2",
+              "--data_parallel.param_dtype=fp16", f"--data_parallel.loss_scale_init={init}",
+              f"--data_parallel.loss_scale_growth_interval={growth_interval}",
+              "--checkpoint.interval=1000"]  # fmt: skip
+    spawn(run_train, 2, [*common, "--training.steps=4"], timeout_s=180)
+    assert loss_scales(tmp_path / "fp16") == {step: expected(step) for step in range(1, 5)}
+    again = spawn(run_train, 2, [*common, "--training.steps=8", "--checkpoint.resume=auto"], timeout_s=180)[0]
+    assert again["start_step"] == 4
+    assert loss_scales(tmp_path / "fp16") == {step: expected(step) for step in range(1, 9)}
+    assert again["loss_scale"] == expected(8)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from loomtrain.config import ConfigError, ModelConfig, load_config
-from loomtrain.distributed.pipeline.split import partition_layers, prune_to_rank
+from loomtrain.distributed.pipeline.split import partition_layers
 from loomtrain.models import Transformer
+from loomtrain.models.parallelize import prune_to_rank
 
 
 def test_split_by_count_gives_the_first_stages_the_extra_layers():

@@ -50,6 +50,8 @@ class PowerSGDHook(CompressionHook):
             the 16-bit collective (n−1 of them in a ring) are not fed back.
     """
 
+    method = "powersgd"
+
     def __init__(
         self,
         rank: int,

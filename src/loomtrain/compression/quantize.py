@@ -92,6 +92,7 @@ class CastHook(CommHook):
     def __init__(self, dtype: torch.dtype):
         super().__init__()
         self.dtype = dtype
+        self.method = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> Pending:
         n = dist.get_world_size(group)
@@ -184,6 +185,8 @@ class _GatherQuantized(CompressionHook):
 class Int8Hook(_GatherQuantized):
     """int8 values with an fp32 scale per ``chunk_size`` elements of each tensor, with error feedback."""
 
+    method = "int8"
+
     def _value_bytes(self, numel: int) -> int:
         return numel
 
@@ -199,6 +202,8 @@ class Int8Hook(_GatherQuantized):
 class SignHook(_GatherQuantized):
     """Signs (1 bit each) with an fp32 ``mean|x|`` per ``chunk_size`` elements of each tensor,
     with error feedback."""
+
+    method = "sign"
 
     def _value_bytes(self, numel: int) -> int:
         return -(-numel // 8)

@@ -53,6 +53,8 @@ class TopKHook(CompressionHook):
         warmup_density: the fraction sent at step 0 of the ramp (0: dense warm-up instead).
     """
 
+    method = "topk"
+
     def __init__(
         self,
         ratio: float,

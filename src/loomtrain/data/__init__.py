@@ -1,5 +1,6 @@
 """Corpora, tokenizers and the distributed batch loader."""
 
+from loomtrain.data.build import Data, build_data, resolve_vocab
 from loomtrain.data.corpus import check_data_files, load_corpus, read_text_file, shakespeare_plays
 from loomtrain.data.loader import DistributedBatchLoader, eval_batches
 from loomtrain.data.tokenizer import (
@@ -14,8 +15,10 @@ from loomtrain.data.tokenizer import (
 __all__ = [
     "BPETokenizer",
     "CharTokenizer",
+    "Data",
     "DistributedBatchLoader",
     "Tokenizer",
+    "build_data",
     "build_tokenizer",
     "check_data_files",
     "encode_to_tensor",
@@ -23,5 +26,6 @@ __all__ = [
     "load_corpus",
     "load_tokenizer",
     "read_text_file",
+    "resolve_vocab",
     "shakespeare_plays",
 ]

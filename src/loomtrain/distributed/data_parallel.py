@@ -11,22 +11,23 @@ Each parameter's ``.grad`` becomes a view into its bucket's flat buffer, so grad
 accumulated in place and need no copy before or after communication.
 
 All reductions go through a :class:`CommHook`, the one seam where compression and
-hierarchical collectives plug in.
+hierarchical collectives plug in. :class:`GradientSynchronizer` implements the gradient-sync
+protocol of ``sync.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loomtrain.distributed.traffic import all_reduce_bytes, reduce_scatter_bytes
+from loomtrain.distributed.clip import clip_grad_norm_
+from loomtrain.distributed.sync import GradientSync, model_state_bytes
+from loomtrain.distributed.traffic import GRADIENT_AXIS, Traffic, all_reduce_bytes, reduce_scatter_bytes
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +81,37 @@ class CommHook(ABC):
     Subclasses implement :meth:`reduce` (and may override :meth:`reduce_scatter`, which ZeRO
     stages 2 and 3 call instead). A hook may keep state (error-feedback residuals,
     for instance); :meth:`state_dict`/:meth:`load_state_dict` carry it into checkpoints.
-    ``bytes_sent`` counts the bytes this rank put on the wire, summed over calls;
-    ``dense_bytes`` what the uncompressed all-reduce (or reduce-scatter) of the same buffers
-    would have sent, so ``bytes_sent / dense_bytes`` is the compression ratio.
+    ``method`` names the compression method (``compression.method``), so a checkpoint's state
+    is only loaded into a hook of the same kind.
+    ``bytes_sent`` counts the bytes this rank put on the wire, summed over calls, in
+    :attr:`traffic` under the ``"dp"`` axis (:meth:`count_into` shares the model's counter, so
+    gradient bytes sit beside the tp, sp and pp ones); ``dense_bytes`` what the uncompressed
+    all-reduce (or reduce-scatter) of the same buffers would have sent, so
+    ``bytes_sent / dense_bytes`` is the compression ratio.
     The synchronizers call :meth:`on_step_end` once per optimizer step, after every reduction
     of the step has finished; ``steps`` counts those calls (compressors warm up on it).
     """
 
+    method = "none"
+
     def __init__(self) -> None:
-        self.bytes_sent = 0
+        self.traffic = Traffic()
         self.dense_bytes = 0
         self.steps = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.traffic.bytes[GRADIENT_AXIS]
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self.traffic.bytes[GRADIENT_AXIS] = value
+
+    def count_into(self, traffic: Traffic) -> None:
+        """Count this hook's bytes in ``traffic`` (the model's per-axis counter) from now on,
+        carrying over what it counted so far."""
+        traffic.bytes[GRADIENT_AXIS] += self.bytes_sent
+        self.traffic = traffic
 
     @abstractmethod
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
@@ -119,6 +140,17 @@ class CommHook(ABC):
         self.bytes_sent += nbytes
         self.dense_bytes += nbytes
         return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
+
+    def average_replicas(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Average ``tensor`` (in place, blocking) over the replica groups of HSDP: ZeRO's
+        reduced gradient shard, which ranks at the same shard position hold, one per replica
+        group. Dense by default; ``bytes_sent`` and ``dense_bytes`` grow by the ring volume."""
+        n = dist.get_world_size(group)
+        tensor.div_(n)
+        nbytes = all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
+        self.bytes_sent += nbytes
+        self.dense_bytes += nbytes
+        dist.all_reduce(tensor, group=group)
 
     def on_step_end(self) -> None:
         """Called once per optimizer step, after all of its reductions finished."""
@@ -182,36 +214,22 @@ def _make_bucket(index: int, group: list[tuple[str, nn.Parameter]]) -> GradBucke
     return GradBucket(index, buffer, [p for _, p in group], [n for n, _ in group], offsets)
 
 
-class LocalAccumulation:
-    """``no_sync()`` for gradient synchronizers: inside it, backward accumulates gradients
-    locally and nothing is communicated (all micro-batches of a step but the last)."""
+class GradientSynchronizer(GradientSync):
+    """Owns the buckets and hooks that :func:`apply_data_parallel` installs on a module; driven
+    through the protocol of :class:`~loomtrain.distributed.sync.GradientSync`.
 
-    _sync = True
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-
-class GradientSynchronizer(LocalAccumulation):
-    """Owns the buckets and hooks that :func:`apply_data_parallel` installs on a module.
-
-    Use per optimizer step::
-
-        for i, (x, y) in enumerate(micro_batches):
-            with sync.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
-                loss_fn(model(x), y).backward()
-        sync.finish_gradient_sync()   # waits for the all-reduces
-        optimizer.step(); sync.zero_grad()
+    ``tp_sharded``: names of parameters split over ``tp_group`` (tensor parallelism), whose
+    squares are summed over it for the global norm; ``pp_group``: the pipeline ranks, which
+    hold other layers (their squares are summed too).
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, bucket_size_bytes: int, hook: CommHook):
-        self.group = group
-        self.hook = hook
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, bucket_size_bytes: int, hook: CommHook,
+                 tp_sharded: frozenset[str] = frozenset(), tp_group: dist.ProcessGroup | None = None,
+                 pp_group: dist.ProcessGroup | None = None):  # fmt: skip
+        super().__init__(hook, group)
+        # Registration order: the norm's sum of squares runs in it, as torch's clip_grad_norm_ does.
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.tp_sharded, self.tp_group, self.pp_group = tp_sharded, tp_group, pp_group
         self.buckets = build_buckets(module, bucket_size_bytes)
         self._next_launch = 0
         self._futures: list[torch.futures.Future] = []
@@ -292,10 +310,29 @@ class GradientSynchronizer(LocalAccumulation):
             names = ", ".join(bucket.names[i] for i in missing)
             log.warning("parameters without a gradient this step (reduced as zeros): %s", names)
 
+    def prepare_step(self, max_norm: float) -> bool:
+        """Clip the averaged gradients to global L2 norm ``max_norm`` (``<= 0``: leave them);
+        plain data parallelism has no loss scaling, so the step always runs."""
+        if max_norm > 0:
+            sharded, replicated = [], []
+            for name, p in self.named_params:
+                if p.grad is not None:
+                    (sharded if name in self.tp_sharded else replicated).append(p.grad)
+            clip_grad_norm_(sharded, replicated, max_norm, tp_group=self.tp_group, pp_group=self.pp_group)
+        return True
+
+    def after_step(self) -> None:
+        """Nothing to do: the optimizer updated the parameters the module computes with."""
+
     def zero_grad(self) -> None:
         """Zero every bucket in place (the ``.grad`` views stay bound)."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Parameters, gradient buckets and optimizer state held by this rank (distinct storages)."""
+        params = [p for _, p in self.named_params]
+        return model_state_bytes(params, [p.grad for p in params], self.optimizer)
 
     def remove(self) -> None:
         """Detach the hooks from the module."""
@@ -324,14 +361,17 @@ def apply_data_parallel(
     group: dist.ProcessGroup,
     bucket_size_mb: float = 25.0,
     hook: CommHook | None = None,
+    **norm_layout,
 ) -> GradientSynchronizer:
     """Make ``module`` data parallel over ``group``, in place.
 
     Broadcasts rank 0's parameters and buffers, then installs the bucketed, overlapped
-    gradient reduction. ``bucket_size_mb`` is in MiB (2**20 bytes).
+    gradient reduction. ``bucket_size_mb`` is in MiB (2**20 bytes). ``norm_layout``:
+    ``tp_sharded``, ``tp_group``, ``pp_group`` of :class:`GradientSynchronizer`, for the global
+    gradient norm when the model is also tensor or pipeline parallel.
 
     Returns:
         The :class:`GradientSynchronizer` that the training loop drives.
     """
     broadcast_module(module, group)
-    return GradientSynchronizer(module, group, int(bucket_size_mb * 2**20), hook or AllReduceHook())
+    return GradientSynchronizer(module, group, int(bucket_size_mb * 2**20), hook or AllReduceHook(), **norm_layout)

@@ -1,29 +1,38 @@
-"""The one owner of the process layout: degrees, the DeviceMesh and its process groups.
+"""The one owner of the process layout: degrees, the DeviceMesh, its process groups, and the
+launcher's rank variables.
 
-Every other module asks this object for ranks and groups instead of doing rank arithmetic.
-Mesh axes, outermost first; the innermost axes talk most, so they get adjacent ranks (on
-one node, the fastest links):
+Every other module asks this object (or :func:`launch_env`, :func:`is_main_process` and
+:func:`shard_range`) for ranks, groups and chunk sizes instead of doing rank arithmetic.
+Mesh axes (:class:`Axis`), outermost first; the innermost axes talk most, so they get
+adjacent ranks (on one node, the fastest links):
 
 - ``pp``: pipeline parallel. Each pipeline rank holds some of the layers (its stages) and
   sends activations to the next rank, gradients to the previous one: the least traffic, so
   outermost (across nodes when there are several).
-- ``dp``: data parallel. Replicas (ZeRO stage 0) or shards (stages 1–3) of the model state;
-  gradients are reduced over it. Each dp rank reads different micro-batches.
+- ``dp_replicate``: data-parallel replica groups (HSDP; Zhao et al., "PyTorch FSDP", VLDB
+  2023, §3.2.2 "hybrid sharding"). Each group holds a whole copy of the model state; only
+  the gradient average crosses groups, so this axis can span hosts while sharding stays inside one.
+- ``dp_shard``: data-parallel ranks within a replica group. Replicas (ZeRO stage 0) or
+  shards (stages 1–3) of the model state. Each ``dp_replicate × dp_shard`` rank reads
+  different micro-batches; ``dp`` is their product.
 - ``sp``: Ulysses sequence parallel (Jacobs et al. 2023): each rank holds a slice of the
   sequence; attention switches to a head split by all-to-all.
 - ``tp``: tensor parallel (Shoeybi et al. 2019, Megatron-LM): weight matrices split across
   ranks; Megatron sequence parallelism (Korthikanti et al. 2022) runs on this axis too.
 
 The ``sp`` ranks of one ``dp`` index hold the same parameters and different tokens, so
-gradients are reduced, and ZeRO shards model state, over ``dp`` and ``sp`` together: the
-flattened ``dp_sp`` axis (:attr:`ParallelDims.grad_mesh`), within one pipeline rank.
+gradients are averaged over ``dp_replicate × dp_shard × sp`` (the flattened ``dp_sp`` axis,
+:attr:`ParallelDims.grad_mesh`), and ZeRO shards model state over ``dp_shard × sp`` (the
+flattened ``dp_shard_sp`` axis, :attr:`ParallelDims.shard_mesh`), within one pipeline rank.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
 
 import torch
@@ -33,14 +42,59 @@ from torch.distributed.tensor import DTensor, Placement
 
 from loomtrain.config import ConfigError, ParallelConfig
 
-AXES = ("pp", "dp", "sp", "tp")
+
+class Axis(StrEnum):
+    """Names of the mesh axes: the five of the mesh, outermost first, then the flattened ones."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    SP = "sp"
+    TP = "tp"
+    DP_SP = "dp_sp"  # dp_replicate × dp_shard × sp: the ranks whose gradients are averaged
+    DP_SHARD_SP = "dp_shard_sp"  # dp_shard × sp: the ranks ZeRO shards over
+
+
+MESH_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP, Axis.TP)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (torchrun, ``loomtrain train``, the spawn helper) told this process:
+    its global ``rank``, its ``local_rank`` on this host, the ``world_size``, and how many
+    times torchrun's elastic agent has restarted the workers (``restart_count``)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    restart_count: int
+
+
+def launch_env() -> LaunchEnv:
+    """This process's ranks as the launcher's environment variables give them (one process,
+    rank 0, first attempt, when they are absent)."""
+    env = os.environ
+    return LaunchEnv(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                     int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))  # fmt: skip
+
+
+def is_main_process() -> bool:
+    """Whether this is global rank 0, the one process that writes shared files and decides
+    for all (needs an initialised process group)."""
+    return dist.get_rank() == 0
+
+
+def shard_rows(size: int, n: int) -> int:
+    """Rows per rank, ``ceil(size / n)``, when a dimension of ``size`` is split over ``n``
+    ranks in the chunk layout (see :func:`shard_range`)."""
+    return math.ceil(size / n)
 
 
 def shard_range(size: int, n: int, rank: int) -> tuple[int, int]:
     """``[start, end)`` of rank ``rank``'s part of a dimension of ``size`` split over ``n`` ranks
     in the chunk layout of ``torch.chunk`` and DTensor ``Shard`` (``ceil(size / n)`` per rank,
     trailing ranks fewer or none). Tensor parallelism and ZeRO both split this way."""
-    per_rank = math.ceil(size / n)
+    per_rank = shard_rows(size, n)
     start = min(rank * per_rank, size)
     return start, min(start + per_rank, size)
 
@@ -56,10 +110,12 @@ def sharded_dtensor(
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees for ``world_size`` processes; ``pp × dp × sp × tp == world_size``.
+    """Parallel degrees for ``world_size`` processes: ``pp × dp × sp × tp == world_size`` with
+    ``dp = dp_replicate × dp_shard``.
 
     Raises:
-        ConfigError: a degree below 1, or degrees that do not multiply to ``world_size``.
+        ConfigError: a degree below 1, degrees that do not multiply to ``world_size``, or a
+            ``dp`` not divisible by ``dp_replicate``.
     """
 
     dp: int
@@ -67,12 +123,13 @@ class ParallelDims:
     tp: int = 1
     sp: int = 1
     pp: int = 1
+    dp_replicate: int = 1
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel_degree", self.dp), ("tensor_parallel_degree", self.tp),
-                            ("sequence_parallel_degree", self.sp),
-                            ("pipeline_parallel_degree", self.pp)):  # fmt: skip
+                            ("sequence_parallel_degree", self.sp), ("pipeline_parallel_degree", self.pp),
+                            ("data_parallel_replicate_degree", self.dp_replicate)):  # fmt: skip
             if value < 1:
                 raise ConfigError(f"parallel.{name}={value} must be at least 1")
         product = self.pp * self.dp * self.sp * self.tp
@@ -80,6 +137,11 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel degrees pp={self.pp} × dp={self.dp} × sp={self.sp} × tp={self.tp} = {product} "
                 f"do not multiply to the world size {self.world_size}; change parallel.* or the process count"
+            )
+        if self.dp % self.dp_replicate:
+            raise ConfigError(
+                f"parallel.data_parallel_replicate_degree={self.dp_replicate} does not divide the data-parallel "
+                f"degree {self.dp}; choose a divisor of it (1 shards over all dp ranks)"
             )
 
     @classmethod
@@ -99,34 +161,78 @@ class ParallelDims:
                     "degrees or the process count"
                 )
             dp = world_size // (pp * tp * sp)
-        return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, pp=pp, device_type=device_type)
+        return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, pp=pp, dp_replicate=cfg.data_parallel_replicate_degree,
+                   device_type=device_type)  # fmt: skip
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks within one replica group: what ZeRO shards over (with ``sp``)."""
+        return self.dp // self.dp_replicate
+
+    def degree(self, axis: Axis) -> int:
+        """The number of ranks along ``axis`` (a mesh axis or a flattened one)."""
+        sizes = {Axis.PP: self.pp, Axis.DP_REPLICATE: self.dp_replicate, Axis.DP_SHARD: self.dp_shard,
+                 Axis.SP: self.sp, Axis.TP: self.tp, Axis.DP_SP: self.dp * self.sp,
+                 Axis.DP_SHARD_SP: self.dp_shard * self.sp}  # fmt: skip
+        return sizes[axis]
+
+    def layout(self) -> dict[str, int]:
+        """The degrees, as recorded in each checkpoint's manifest."""
+        return {"pp": self.pp, "dp": self.dp, "dp_replicate": self.dp_replicate, "sp": self.sp, "tp": self.tp}
+
+    def describe(self) -> str:
+        """The degrees in one line, e.g. ``pp 1, dp 4 (2 replicas × 2), sp 1, tp 1``."""
+        dp = f"dp {self.dp}"
+        if self.dp_replicate > 1:
+            dp += f" ({self.dp_replicate} replicas × {self.dp_shard})"
+        return f"pp {self.pp}, {dp}, sp {self.sp}, tp {self.tp}"
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The DeviceMesh with named axes ``("pp", "dp", "sp", "tp")``; built on first use (needs an
+        """The DeviceMesh with the named axes :data:`MESH_AXES`; built on first use (needs an
         initialised process group). Axes of size 1 are kept, so code never branches on them."""
-        return init_device_mesh(self.device_type, (self.pp, self.dp, self.sp, self.tp), mesh_dim_names=AXES)
+        shape = tuple(self.degree(axis) for axis in MESH_AXES)
+        return init_device_mesh(self.device_type, shape, mesh_dim_names=tuple(str(a) for a in MESH_AXES))
 
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along ``axis`` (one of ``AXES``)."""
-        return self.mesh.get_group(axis)
+    def _mesh_of(self, axis: Axis) -> DeviceMesh:
+        # A flattened axis exists only once its mesh has been built.
+        flattened = {Axis.DP_SP: "grad_mesh", Axis.DP_SHARD_SP: "shard_mesh"}
+        return getattr(self, flattened[axis]) if axis in flattened else self.mesh
 
-    def rank(self, axis: str) -> int:
+    def group(self, axis: Axis) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis`` (a mesh axis or a flattened one)."""
+        return self._mesh_of(axis).get_group(str(axis))
+
+    def rank(self, axis: Axis) -> int:
         """This rank's coordinate along ``axis``."""
-        return self.mesh.get_local_rank(axis)
+        return self._mesh_of(axis).get_local_rank(str(axis))
 
     @cached_property
     def grad_mesh(self) -> DeviceMesh:
-        """1-D mesh over the ``dp`` and ``sp`` axes together: the ranks that hold the same
-        parameters (same ``tp`` coordinate) and see different tokens. Gradients are averaged,
-        and ZeRO shards model state, over it."""
-        return self.mesh["dp", "sp"]._flatten("dp_sp")
+        """1-D mesh over ``dp_replicate × dp_shard × sp``: the ranks that hold the same
+        parameters (same ``pp`` and ``tp`` coordinates) and see different tokens. Gradients
+        are averaged over it."""
+        return self.mesh[Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP]._flatten(Axis.DP_SP)
 
     @cached_property
-    def grad_tp_mesh(self) -> DeviceMesh:
-        """2-D mesh ``(dp_sp, tp)``: where ZeRO places a tensor-parallel shard's own shards."""
-        _ = self.grad_mesh  # the flattened dp_sp axis must exist before it can be sliced
-        return self.mesh["dp_sp", "tp"]
+    def shard_mesh(self) -> DeviceMesh:
+        """1-D mesh over ``dp_shard × sp``: the ranks ZeRO shards model state over (the same
+        ranks as :attr:`grad_mesh` when ``dp_replicate == 1``)."""
+        return self.mesh[Axis.DP_SHARD, Axis.SP]._flatten(Axis.DP_SHARD_SP)
+
+    @cached_property
+    def zero_mesh(self) -> DeviceMesh:
+        """2-D mesh ``(dp_replicate, dp_shard_sp)``: where ZeRO places its master shards
+        (``Replicate()`` over replica groups, ``Shard(0)`` within one)."""
+        _ = self.shard_mesh  # the flattened axis must exist before it can be sliced
+        return self.mesh[Axis.DP_REPLICATE, Axis.DP_SHARD_SP]
+
+    @cached_property
+    def zero_tp_mesh(self) -> DeviceMesh:
+        """3-D mesh ``(dp_replicate, dp_shard_sp, tp)``: where ZeRO places a tensor-parallel
+        shard's own shards."""
+        _ = self.shard_mesh
+        return self.mesh[Axis.DP_REPLICATE, Axis.DP_SHARD_SP, Axis.TP]
 
     @cached_property
     def pp_groups(self) -> dict[str, dist.ProcessGroup]:
@@ -140,7 +246,7 @@ class ParallelDims:
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 mine = group
-        return {"activation": self.group("pp"), "gradient": mine}
+        return {"activation": self.group(Axis.PP), "gradient": mine}
 
     def sequence_slice(self, seq_len: int) -> slice:
         """Positions ``[r·S/sp, (r+1)·S/sp)`` of a length-``seq_len`` sequence that this rank's
@@ -156,13 +262,20 @@ class ParallelDims:
                 f"sequence length {seq_len} is not divisible by parallel.sequence_parallel_degree={self.sp}"
             )
         part = seq_len // self.sp
-        start = self.rank("sp") * part
+        start = self.rank(Axis.SP) * part
         return slice(start, start + part)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank("dp")
+        """This rank's data-parallel index in ``0..dp-1`` (replica group major): which
+        micro-batches it reads."""
+        return self.rank(Axis.DP_REPLICATE) * self.dp_shard + self.rank(Axis.DP_SHARD)
 
     @property
     def pp_rank(self) -> int:
-        return self.rank("pp")
+        return self.rank(Axis.PP)
+
+    def group_or_none(self, axis: Axis) -> dist.ProcessGroup | None:
+        """The group along ``axis`` if it has more than one rank, else ``None`` (for the
+        collectives that a group of one would only slow down: norm and overflow agreement)."""
+        return self.group(axis) if self.degree(axis) > 1 else None

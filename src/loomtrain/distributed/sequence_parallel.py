@@ -136,16 +136,3 @@ class UlyssesAttention(nn.Module):
 
     def _all_to_all(self, x: torch.Tensor, to_heads: bool, counts: list[int]) -> torch.Tensor:
         return _AllToAll.apply(x, to_heads, counts, self.group, self.traffic, self.axis)
-
-
-def apply_ulysses(model: nn.Module, group: dist.ProcessGroup, traffic: Traffic | None = None, axis: str = "sp") -> None:
-    """Make ``model`` sequence parallel over ``group`` (Ulysses), in place: every
-    ``model.layers[i].attention.core`` is wrapped in a :class:`UlyssesAttention`.
-
-    The caller gives group rank ``r`` positions ``[r·S/sp, (r+1)·S/sp)`` of each length-``S``
-    sequence, ``model(tokens[:, r·S/sp:(r+1)·S/sp], start_pos=r·S/sp)``
-    (``ParallelDims.sequence_slice``, which rejects an ``S`` not divisible by ``sp``), and
-    averages gradients over ``group`` with the data-parallel ranks.
-    """
-    for layer in model.layers.values():
-        layer.attention.core = UlyssesAttention(layer.attention.core, group, traffic, axis)

@@ -1,4 +1,5 @@
-"""Megatron tensor parallelism, with optional Megatron sequence parallelism, for the Llama model.
+"""Megatron tensor parallelism, with optional Megatron sequence parallelism: the layers and
+collectives (the plan that applies them to a model is ``models/parallelize.py``).
 
 Sources: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
 Model Parallelism" (2019) §3: a linear layer's weight is split by output features (column
@@ -29,7 +30,6 @@ from torch import nn
 
 from loomtrain.distributed.parallel_dims import shard_range
 from loomtrain.distributed.traffic import Traffic
-from loomtrain.models.llama import Transformer
 
 SEQ_DIM = 1
 
@@ -360,7 +360,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
             ValueError: the chunk layout leaves some rank without rows (vocabulary too small).
         """
         vocab, n = emb.num_embeddings, dist.get_world_size(group)
-        _check_vocab(vocab, n)
+        check_vocab_split(vocab, n)
         start, _ = shard_range(vocab, n, dist.get_rank(group))
         weight = nn.Parameter(shard_of(emb.weight, 0, group), requires_grad=emb.weight.requires_grad)
         return cls(weight, group, start, sequence_parallel=sequence_parallel, traffic=traffic, axis=axis)
@@ -372,7 +372,12 @@ class VocabParallelEmbedding(_TensorParallelModule):
         return self.leave(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-def _check_vocab(vocab: int, n: int) -> None:
+def check_vocab_split(vocab: int, n: int) -> None:
+    """Refuse a vocabulary whose chunk layout over ``n`` ranks leaves the last rank no rows.
+
+    Raises:
+        ValueError: ``vocab`` too small for ``n`` ranks.
+    """
     if shard_range(vocab, n, n - 1)[0] >= vocab:
         raise ValueError(
             f"model.vocab_size={vocab} leaves the last of parallel.tensor_parallel_degree={n} ranks no "
@@ -451,93 +456,3 @@ def all_reduce_grad_hook(
         return _all_reduce(grad, group, traffic, axis)
 
     return param.register_hook(hook)
-
-
-def apply_tensor_parallel(
-    model: Transformer,
-    group: dist.ProcessGroup,
-    *,
-    sequence_parallel: bool = False,
-    traffic: Traffic | None = None,
-    axis: str = "tp",
-) -> dict[str, int]:
-    """Split ``model`` over the tensor-parallel ``group`` in place (Megatron §3; with
-    ``sequence_parallel``, Korthikanti et al. §4.2.2).
-
-    In every block, the input of the attention and of the feed-forward enters the parallel
-    region once (``f``: a forward pre-hook on the module), ``wq``, ``wk``, ``wv``, ``w1``, ``w3``
-    become :class:`ColumnParallelLinear` (whole heads per rank) and ``wo``, ``w2``
-    :class:`RowParallelLinear` (``g``). That is 4 collectives of ``B·S·dim`` elements per block
-    and step, 8·B·S·dim·(t−1)/t elements on the wire, in either mode. ``tok_embeddings`` becomes
-    a :class:`VocabParallelEmbedding`; ``output`` a :class:`ColumnParallelLinear` over the
-    vocabulary whose logits ``[B, S, V_local]`` (full sequence in both modes) feed
-    :func:`vocab_parallel_cross_entropy`. With tied embeddings both hold the same local
-    Parameter. With ``sequence_parallel`` the norms and residuals see ``[B, S/t, dim]`` and the
-    norm weights get :func:`all_reduce_grad_hook`.
-
-    The model's parameters are copied, not re-initialised: build (and initialise) the full model
-    the same way on every rank first.
-
-    Returns:
-        ``{fqn: shard_dim}`` for every sharded parameter, by ``state_dict`` key (both
-        ``tok_embeddings.weight`` and ``output.weight`` when tied); the rest are replicated.
-    Raises:
-        ValueError: ``n_heads`` or ``n_kv_heads`` not divisible by the group size, or a
-            vocabulary too small to give every rank rows; in forward, with
-            ``sequence_parallel``, a sequence length not divisible by the group size.
-    """
-    _check_divisible(model.cfg, dist.get_world_size(group))
-    comm = {"sequence_parallel": sequence_parallel, "traffic": traffic, "axis": axis}
-    shards: dict[str, int] = {}
-    for i, layer in model.layers.items():
-        shards |= _split_module(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), ("wo",), group, comm)
-        shards |= _split_module(layer.feed_forward, f"layers.{i}.feed_forward", ("w1", "w3"), ("w2",), group, comm)
-        if sequence_parallel:
-            all_reduce_grad_hook(layer.attention_norm.weight, group, traffic, axis)
-            all_reduce_grad_hook(layer.ffn_norm.weight, group, traffic, axis)
-    if sequence_parallel and model.norm is not None:
-        all_reduce_grad_hook(model.norm.weight, group, traffic, axis)
-    return shards | _split_vocab(model, group, comm)
-
-
-def _check_divisible(cfg, n: int) -> None:
-    for field, heads in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads)):
-        if heads % n:
-            raise ValueError(
-                f"model.{field}={heads} is not divisible by parallel.tensor_parallel_degree={n}; "
-                "each rank must hold whole heads: choose a degree that divides both head counts"
-            )
-    _check_vocab(cfg.vocab_size, n)
-
-
-def _split_module(module: nn.Module, prefix: str, columns, rows, group, comm: dict) -> dict[str, int]:
-    """Column-split ``columns``, row-split ``rows``; the module's input enters the parallel
-    region once, in a forward pre-hook, for all the column layers that read it."""
-
-    def enter(_module: nn.Module, args: tuple) -> tuple:
-        return (enter_parallel_region(args[0], group, **comm), *args[1:])
-
-    module.register_forward_pre_hook(enter)
-    shards = {}
-    for name in columns:
-        setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, enter=False, **comm))
-        shards[f"{prefix}.{name}.weight"] = 0
-    for name in rows:
-        setattr(module, name, RowParallelLinear.from_linear(getattr(module, name), group, **comm))
-        shards[f"{prefix}.{name}.weight"] = 1
-    return shards
-
-
-def _split_vocab(model: Transformer, group, comm: dict) -> dict[str, int]:
-    # A pipeline stage may hold the embedding, the head, or neither (tied: both, on one stage).
-    shards = {}
-    if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabParallelEmbedding.from_embedding(model.tok_embeddings, group, **comm)
-        shards["tok_embeddings.weight"] = 0
-    if model.output is not None:
-        if model.cfg.tie_embeddings:
-            model.output = ColumnParallelLinear(model.tok_embeddings.weight, group, **comm)
-        else:
-            model.output = ColumnParallelLinear.from_linear(model.output, group, **comm)
-        shards["output.weight"] = 0
-    return shards

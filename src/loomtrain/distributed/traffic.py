@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+# Gradient reduction over the data-parallel ranks (with sp) is counted under this name.
+GRADIENT_AXIS = "dp"
+
 
 def all_reduce_bytes(nbytes: int, n: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks."""

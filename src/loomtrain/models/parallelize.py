@@ -1,4 +1,7 @@
-"""Apply the parallel plan to a Llama model from outside; the model file knows nothing of it.
+"""Apply the parallel plan to a Llama model from outside; the model file knows nothing of it,
+and ``distributed/`` knows no model class: the Llama-specific parts live here (which linears
+are column- or row-parallel, where attention's core is, how a model is pruned to a pipeline
+rank's stages).
 
 Order (each step sees the module the previous one produced):
 
@@ -9,228 +12,202 @@ Order (each step sees the module the previous one produced):
    embedding and head), with Megatron sequence parallelism if ``tp_mode="sequence_parallel"``;
 3. Ulysses sequence parallelism on the ``sp`` axis (each attention core wrapped in all-to-alls);
 4. data parallelism or ZeRO over the ranks that hold the same parameters: ``dp`` and ``sp``
-   together (:attr:`ParallelDims.grad_mesh`), whose gradients are averaged.
+   together (:attr:`ParallelDims.grad_mesh`), whose gradients are averaged; ZeRO shards over
+   ``dp_shard × sp`` and replicates over ``dp_replicate`` (HSDP).
 
-The returned :class:`ParallelModel` is what the training loop drives: forward and backward
-of a step's micro-batches (plainly, or through the pipeline schedule), the loss (slicing the
-sequence for ``sp``, vocab-parallel cross-entropy for ``tp``), global gradient-norm clipping
-over shards, DTensor views of the tensor-parallel shards for checkpoints, and a full model
-for sampling.
+The returned :class:`~loomtrain.distributed.parallel_model.ParallelModel` is what the training
+loop drives.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch import nn
 
 from loomtrain.config import Config
-from loomtrain.distributed.data_parallel import CommHook, GradientSynchronizer, apply_data_parallel
+from loomtrain.distributed.data_parallel import CommHook, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
-from loomtrain.distributed.parallel_dims import ParallelDims, sharded_dtensor
+from loomtrain.distributed.parallel_dims import Axis, ParallelDims
+from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.pipeline.executor import PipelineExecutor
 from loomtrain.distributed.pipeline.p2p import PipelineComm
-from loomtrain.distributed.pipeline.split import measure_layer_seconds, partition_layers, prune_to_rank
-from loomtrain.distributed.sequence_parallel import apply_ulysses
-from loomtrain.distributed.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from loomtrain.distributed.pipeline.schedule import rank_stages
+from loomtrain.distributed.pipeline.split import partition_layers
+from loomtrain.distributed.sequence_parallel import UlyssesAttention
+from loomtrain.distributed.sync import GradientSync
+from loomtrain.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce_grad_hook,
+    check_vocab_split,
+    enter_parallel_region,
+)
 from loomtrain.distributed.traffic import Traffic
-from loomtrain.distributed.zero import TensorParallelLayout, ZeroSynchronizer, apply_zero
+from loomtrain.distributed.zero import apply_zero
+from loomtrain.distributed.zero_layout import TensorParallelLayout
+from loomtrain.hardware import synchronize
 from loomtrain.models.llama import Transformer
-from loomtrain.optim import clip_grad_norm_
-
-
-@dataclass
-class ParallelModel:
-    """A parallelized model and what the training loop needs to drive it.
-
-    Attributes:
-        model: the module, changed in place (its parameters are this rank's shards).
-        sync: the gradient synchronizer (plain data parallel or ZeRO) over ``dims.grad_mesh``.
-        dims: the layout.
-        tp_shards: ``{parameter name: (dim split over tp, full shape)}`` for tensor-parallel shards.
-        traffic: bytes sent by tensor, sequence and pipeline parallelism, per mesh axis.
-        pipeline: the schedule executor when ``pp > 1``, else ``None``.
-    """
-
-    model: Transformer
-    sync: GradientSynchronizer | ZeroSynchronizer
-    dims: ParallelDims
-    tp_shards: dict[str, tuple[int, torch.Size]]
-    traffic: Traffic
-    pipeline: PipelineExecutor | None = None
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats) of this rank's tokens of a micro-batch (not
-        pipelined: the whole model is on this rank).
-
-        ``x``, ``y``: ``LongTensor[micro_batch, seq_len]``, the whole sequences of this ``dp``
-        rank; each ``sp`` rank takes its slice of positions. With ``tp > 1`` the logits are
-        vocabulary shards and the loss is the vocab-parallel cross-entropy.
-        """
-        cut = self.dims.sequence_slice(x.shape[1])
-        return self.logits_loss(self.model(x[:, cut], start_pos=cut.start), y[:, cut])
-
-    def logits_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (nats) of ``logits`` ``[B, S, V or V/tp]`` against ``target`` ``[B, S]``."""
-        if self.dims.tp > 1:
-            return vocab_parallel_cross_entropy(logits.float(), target, self.dims.group("tp"), self.traffic)
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
-    def _pipeline_batches(self, micro_batches, device) -> tuple[list, int]:
-        cut = self.dims.sequence_slice(micro_batches[0][0].shape[1])
-        return [(x[:, cut].to(device), y[:, cut].to(device)) for x, y in micro_batches], cut.start
-
-    def forward_backward(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                         autocast: Callable, device: torch.device) -> float:  # fmt: skip
-        """Forward and backward of one step's micro-batches (``[(x, y)]``, each
-        ``LongTensor[micro_batch, seq_len]``), leaving the gradients of ``mean loss · scale`` to
-        be reduced; returns this rank's mean loss (nats). ``autocast()`` gives the compute
-        context.
-
-        Not pipelined: every micro-batch but the last runs under ``sync.no_sync()``, so only
-        the last backward communicates. Pipelined: the schedule runs them, and each stage's
-        last backward communicates.
-        """
-        if self.pipeline is not None:
-            batches, start = self._pipeline_batches(micro_batches, device)
-            return self.pipeline.train_step(batches, self.logits_loss, start, scale, self.sync, autocast)
-        total, last = 0.0, len(micro_batches) - 1
-        for i, (x, y) in enumerate(micro_batches):
-            with self.sync.no_sync() if i < last else contextlib.nullcontext():
-                with autocast():
-                    loss = self.loss(x.to(device), y.to(device))
-                (loss * scale / len(micro_batches)).backward()
-            total += loss.item()
-        return total / len(micro_batches)
-
-    @torch.no_grad()
-    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast: Callable,
-                  device: torch.device) -> float:  # fmt: skip
-        """Mean loss (nats) of ``batches`` (as for :meth:`forward_backward`), forwards only."""
-        if self.pipeline is not None:
-            batches, start = self._pipeline_batches(batches, device)
-            return self.pipeline.eval_step(batches, self.logits_loss, start, autocast)
-        total = 0.0
-        for x, y in batches:
-            with autocast():
-                total += self.loss(x.to(device), y.to(device)).item()
-        return total / len(batches)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the (already averaged) gradients so their global L2 norm is at most ``max_norm``
-        (the rule of ``torch.nn.utils.clip_grad_norm_``: factor ``min(1, max_norm / (norm + 1e-6))``).
-
-        The norm is that of the full, unsharded gradient: squares of tensor-parallel shards are
-        summed over ``tp`` (one all-reduce), replicated parameters are counted once.
-        Returns the norm before clipping.
-        """
-        sharded, replicated = [], []
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                (sharded if name in self.tp_shards else replicated).append(p.grad)
-        tp_group = self.dims.group("tp") if self.dims.tp > 1 else None
-        pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
-        return clip_grad_norm_(sharded, replicated, max_norm, tp_group=tp_group, pp_group=pp_group)
-
-    def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
-        dim, shape = self.tp_shards[name]
-        return sharded_dtensor(local, self.dims.mesh["tp"], [Shard(dim)], shape)
-
-    def wrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """In place: the tensor-parallel shards in a model and an optimizer state dict (as
-        ``get_state_dict`` returns them, keyed by parameter name) become ``Shard(dim)`` DTensors
-        on the ``tp`` axis that share the local storage, so DCP saves and loads the full
-        tensors and reshards them to another tensor-parallel degree."""
-        for name in self.tp_shards:
-            # ZeRO masters are DTensors already (placed on dp and tp); only plain shards change.
-            if name in model_sd and not isinstance(model_sd[name], DTensor):
-                model_sd[name] = self._as_dtensor(name, model_sd[name])
-            if name in optim_sd.get("state", {}):
-                # A new dict: get_state_dict may hand out the optimizer's own per-parameter state.
-                optim_sd["state"][name] = {
-                    key: self._as_dtensor(name, v) if self._is_plain_shard(v) else v
-                    for key, v in optim_sd["state"][name].items()
-                }
-
-    @staticmethod
-    def _is_plain_shard(value) -> bool:
-        # Moments are shaped like the shard; the step count is a scalar, the same on every rank.
-        return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
-
-    def unwrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """Undo :meth:`wrap_state_dicts`: the DTensors it made back to their local shards."""
-        if not self.tp_shards or isinstance(self.sync, ZeroSynchronizer):
-            return
-        for sd in (model_sd, *optim_sd.get("state", {}).values()):
-            for key, value in sd.items():
-                if isinstance(value, DTensor):
-                    sd[key] = value.to_local()
-
-    @torch.no_grad()
-    def full_model(self) -> Transformer:
-        """A plain single-process model with the full parameters, on every rank (a collective
-        over ``tp`` and ``pp``); the model itself when nothing is split. For sampling after
-        training; call ``sync.remove()`` first so ZeRO shards are whole again."""
-        if self.dims.tp == 1 and self.dims.sp == 1 and self.dims.pp == 1:
-            return self.model
-        full = {
-            name: self._as_dtensor(name, p.detach()).full_tensor() if name in self.tp_shards else p.detach()
-            for name, p in self.model.named_parameters(remove_duplicate=False)
-        }
-        device = next(self.model.parameters()).device
-        if self.dims.pp > 1:
-            # Each pipeline rank holds other layers: every rank gets all of them (small models only).
-            parts: list[dict] = [{} for _ in range(self.dims.pp)]
-            dist.all_gather_object(parts, {k: v.cpu() for k, v in full.items()}, group=self.dims.group("pp"))
-            full = {k: v.to(device) for part in parts for k, v in part.items()}
-        plain = Transformer(self.model.cfg).to(device)
-        plain.load_state_dict(full)
-        return plain
 
 
 def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook) -> ParallelModel:
-    """Apply tensor, sequence and data parallelism (or ZeRO) to ``model`` in place.
+    """Apply pipeline, tensor, sequence and data parallelism (or ZeRO) to ``model`` in place.
 
-    ``hook`` reduces gradients over :attr:`ParallelDims.grad_mesh` (``dp`` × ``sp``).
-    The checks of shapes against degrees are done earlier, on the config (see ``Config``).
+    ``hook`` reduces gradients over :attr:`ParallelDims.grad_mesh` (``dp`` × ``sp``) and counts
+    its bytes in the returned model's traffic counter. The checks of shapes against degrees are
+    done earlier, on the config (see ``Config``).
 
     Returns:
         The :class:`ParallelModel` the training loop drives.
     """
     traffic = Traffic()
+    hook.count_into(traffic)
     tp_shards: dict[str, tuple[int, torch.Size]] = {}
     stage_layers = split_pipeline(model, dims, cfg) if dims.pp > 1 else None
     if dims.tp > 1:
         # Every name a parameter is registered under: a tied head is split too.
         full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
         split = apply_tensor_parallel(
-            model, dims.group("tp"), sequence_parallel=cfg.parallel.tp_mode == "sequence_parallel", traffic=traffic
+            model, dims.group(Axis.TP), sequence_parallel=cfg.parallel.tp_mode == "sequence_parallel", traffic=traffic
         )
         tp_shards = {name: (dim, full_shapes[name]) for name, dim in split.items()}
     if dims.sp > 1:
-        apply_ulysses(model, dims.group("sp"), traffic=traffic)
-    dp = cfg.data_parallel
-    if dp.zero_stage == 0:
-        sync = apply_data_parallel(model, dims.grad_mesh.get_group(), dp.bucket_size_mb, hook)
-    else:
-        mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
-        scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
-        tp = TensorParallelLayout(dims.grad_tp_mesh, tp_shards) if dims.tp > 1 else None
-        pp_group = dims.group("pp") if dims.pp > 1 else None
-        sync = apply_zero(model, dims.grad_mesh, dp.zero_stage, mp, hook, scaler if dp.param_dtype == "fp16" else None,
-                          tp=tp, pp_group=pp_group)  # fmt: skip
+        apply_ulysses(model, dims.group(Axis.SP), traffic=traffic)
+    sync = apply_gradient_sync(model, dims, cfg, hook, tp_shards)
     pipeline = None
     if stage_layers is not None:
         p = cfg.parallel
         comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, next(model.parameters()).device, traffic)
         pipeline = PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
                                     p.virtual_stages, comm)  # fmt: skip
-    return ParallelModel(model, sync, dims, tp_shards, traffic, pipeline)
+    return ParallelModel(model, sync, dims, tp_shards, traffic, lambda: Transformer(model.cfg), pipeline)
+
+
+def apply_gradient_sync(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook,
+                        tp_shards: dict[str, tuple[int, torch.Size]]) -> GradientSync:  # fmt: skip
+    """Plain data parallelism (``zero_stage=0``) or ZeRO over the ranks that share parameters;
+    ZeRO's units are the transformer blocks."""
+    dp = cfg.data_parallel
+    pp_group = dims.group_or_none(Axis.PP)
+    if dp.zero_stage == 0:
+        return apply_data_parallel(model, dims.grad_mesh.get_group(), dp.bucket_size_mb, hook,
+                                   tp_sharded=frozenset(tp_shards), tp_group=dims.group_or_none(Axis.TP),
+                                   pp_group=pp_group)  # fmt: skip
+    mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
+    scaler = None
+    if dp.param_dtype == "fp16":
+        scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
+    tp = TensorParallelLayout(dims.zero_tp_mesh, tp_shards) if dims.tp > 1 else None
+    return apply_zero(model, dims.zero_mesh, dp.zero_stage, list(model.layers.values()), mp, hook, scaler, tp=tp,
+                      pp_group=pp_group)  # fmt: skip
+
+
+def apply_tensor_parallel(
+    model: Transformer,
+    group: dist.ProcessGroup,
+    *,
+    sequence_parallel: bool = False,
+    traffic: Traffic | None = None,
+    axis: str = "tp",
+) -> dict[str, int]:
+    """Split ``model`` over the tensor-parallel ``group`` in place (Megatron §3; with
+    ``sequence_parallel``, Korthikanti et al. §4.2.2).
+
+    In every block, the input of the attention and of the feed-forward enters the parallel
+    region once (``f``: a forward pre-hook on the module), ``wq``, ``wk``, ``wv``, ``w1``, ``w3``
+    become :class:`ColumnParallelLinear` (whole heads per rank) and ``wo``, ``w2``
+    :class:`RowParallelLinear` (``g``). That is 4 collectives of ``B·S·dim`` elements per block
+    and step, 8·B·S·dim·(t−1)/t elements on the wire, in either mode. ``tok_embeddings`` becomes
+    a :class:`VocabParallelEmbedding`; ``output`` a :class:`ColumnParallelLinear` over the
+    vocabulary whose logits ``[B, S, V_local]`` (full sequence in both modes) feed
+    :func:`vocab_parallel_cross_entropy`. With tied embeddings both hold the same local
+    Parameter. With ``sequence_parallel`` the norms and residuals see ``[B, S/t, dim]`` and the
+    norm weights get :func:`all_reduce_grad_hook`.
+
+    The model's parameters are copied, not re-initialised: build (and initialise) the full model
+    the same way on every rank first.
+
+    Returns:
+        ``{fqn: shard_dim}`` for every sharded parameter, by ``state_dict`` key (both
+        ``tok_embeddings.weight`` and ``output.weight`` when tied); the rest are replicated.
+    Raises:
+        ValueError: ``n_heads`` or ``n_kv_heads`` not divisible by the group size, or a
+            vocabulary too small to give every rank rows; in forward, with
+            ``sequence_parallel``, a sequence length not divisible by the group size.
+    """
+    _check_divisible(model.cfg, dist.get_world_size(group))
+    comm = {"sequence_parallel": sequence_parallel, "traffic": traffic, "axis": axis}
+    shards: dict[str, int] = {}
+    for i, layer in model.layers.items():
+        shards |= _split_module(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), ("wo",), group, comm)
+        shards |= _split_module(layer.feed_forward, f"layers.{i}.feed_forward", ("w1", "w3"), ("w2",), group, comm)
+        if sequence_parallel:
+            all_reduce_grad_hook(layer.attention_norm.weight, group, traffic, axis)
+            all_reduce_grad_hook(layer.ffn_norm.weight, group, traffic, axis)
+    if sequence_parallel and model.norm is not None:
+        all_reduce_grad_hook(model.norm.weight, group, traffic, axis)
+    return shards | _split_vocab(model, group, comm)
+
+
+def _check_divisible(cfg, n: int) -> None:
+    for field, heads in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads)):
+        if heads % n:
+            raise ValueError(
+                f"model.{field}={heads} is not divisible by parallel.tensor_parallel_degree={n}; "
+                "each rank must hold whole heads: choose a degree that divides both head counts"
+            )
+    check_vocab_split(cfg.vocab_size, n)
+
+
+def _split_module(module: nn.Module, prefix: str, columns, rows, group, comm: dict) -> dict[str, int]:
+    """Column-split ``columns``, row-split ``rows``; the module's input enters the parallel
+    region once, in a forward pre-hook, for all the column layers that read it."""
+
+    def enter(_module: nn.Module, args: tuple) -> tuple:
+        return (enter_parallel_region(args[0], group, **comm), *args[1:])
+
+    module.register_forward_pre_hook(enter)
+    shards = {}
+    for name in columns:
+        setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, enter=False, **comm))
+        shards[f"{prefix}.{name}.weight"] = 0
+    for name in rows:
+        setattr(module, name, RowParallelLinear.from_linear(getattr(module, name), group, **comm))
+        shards[f"{prefix}.{name}.weight"] = 1
+    return shards
+
+
+def _split_vocab(model: Transformer, group, comm: dict) -> dict[str, int]:
+    # A pipeline stage may hold the embedding, the head, or neither (tied: both, on one stage).
+    shards = {}
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding.from_embedding(model.tok_embeddings, group, **comm)
+        shards["tok_embeddings.weight"] = 0
+    if model.output is not None:
+        if model.cfg.tie_embeddings:
+            model.output = ColumnParallelLinear(model.tok_embeddings.weight, group, **comm)
+        else:
+            model.output = ColumnParallelLinear.from_linear(model.output, group, **comm)
+        shards["output.weight"] = 0
+    return shards
+
+
+def apply_ulysses(
+    model: Transformer, group: dist.ProcessGroup, traffic: Traffic | None = None, axis: str = "sp"
+) -> None:
+    """Make ``model`` sequence parallel over ``group`` (Ulysses), in place: every
+    ``model.layers[i].attention.core`` is wrapped in a :class:`UlyssesAttention`.
+
+    The caller gives group rank ``r`` positions ``[r·S/sp, (r+1)·S/sp)`` of each length-``S``
+    sequence, ``model(tokens[:, r·S/sp:(r+1)·S/sp], start_pos=r·S/sp)``
+    (``ParallelDims.sequence_slice``, which rejects an ``S`` not divisible by ``sp``), and
+    averages gradients over ``group`` with the data-parallel ranks.
+    """
+    for layer in model.layers.values():
+        layer.attention.core = UlyssesAttention(layer.attention.core, group, traffic, axis)
 
 
 def split_pipeline(model: Transformer, dims: ParallelDims, cfg: Config) -> dict[int, list[str]]:
@@ -252,3 +229,51 @@ def split_pipeline(model: Transformer, dims: ParallelDims, cfg: Config) -> dict[
         costs = (seconds / dims.world_size).tolist()
     plan = partition_layers(cfg.model.n_layers, p.n_stages, p.stage_boundaries, costs)
     return prune_to_rank(model, plan, dims.pp_rank, dims.pp)
+
+
+def measure_layer_seconds(model: Transformer, tokens: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Forward plus backward seconds of each block of ``model`` on one micro-batch (median of
+    ``repeats`` after a warm-up), for a balanced split. ``tokens``: ``LongTensor[B, S]``.
+
+    Every rank measures; callers average over ranks so all agree on one split.
+    """
+    with torch.no_grad():
+        h = model.tok_embeddings(tokens)
+    cos, sin = model.rope_cos[: tokens.shape[1]], model.rope_sin[: tokens.shape[1]]
+    seconds = []
+    for layer in model.layers.values():
+        x = h.detach().requires_grad_(True)
+        times = []
+        for _ in range(repeats + 1):
+            synchronize(tokens.device)
+            start = time.perf_counter()
+            layer(x, cos, sin).sum().backward()
+            synchronize(tokens.device)
+            times.append(time.perf_counter() - start)
+        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+        with torch.no_grad():
+            h = layer(h, cos, sin)
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def prune_to_rank(model: Transformer, stage_layers: list[list[int]], pp_rank: int, pp: int) -> dict[int, list[str]]:
+    """Keep, in place, only what pipeline rank ``pp_rank`` runs: its stages' layers, the
+    embedding if it holds stage 0, the final norm and head if it holds the last stage.
+    Parameter names do not change (``layers.7.…`` stays ``layers.7.…``), so checkpoints load
+    across pipeline degrees.
+
+    Returns:
+        ``{stage: [layer keys]}`` for this rank's stages, in stage order.
+    """
+    n_stages = len(stage_layers)
+    mine = rank_stages(pp_rank, pp, n_stages // pp)
+    keep = {str(i) for s in mine for i in stage_layers[s]}
+    for key in [k for k in model.layers if k not in keep]:
+        del model.layers[key]
+    if 0 not in mine:
+        model.tok_embeddings = None
+    if n_stages - 1 not in mine:
+        model.norm = None
+        model.output = None
+    return {s: [str(i) for i in stage_layers[s]] for s in mine}

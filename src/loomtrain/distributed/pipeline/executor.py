@@ -65,7 +65,7 @@ class PipelineExecutor:
     """Runs a schedule's actions for one pipeline rank of a model pruned to its stages.
 
     Args:
-        model: the rank's part of the model (see ``split.prune_to_rank``), called as
+        model: the rank's part of the model (see ``models.parallelize.prune_to_rank``), called as
             ``model(x, start_pos, layers=keys)`` per stage.
         stage_layers: ``{stage: [layer keys]}`` for this rank's stages.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.

@@ -1,4 +1,5 @@
-"""Splitting a model's layers into pipeline stages, and pruning a model to one rank's stages.
+"""Splitting a model's layers into pipeline stages (the model-aware pruning to one rank's
+stages is ``models/parallelize.py``).
 
 A stage is a run of consecutive layers; the first stage also holds the embedding, the last
 the final norm and output head. With ``v`` virtual stages per rank (interleaved 1F1B,
@@ -11,14 +12,7 @@ the slowest stage, the quantity a pipeline's step time follows), or by explicit 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-
-import torch
-
-from loomtrain.distributed.pipeline.schedule import rank_stages
-from loomtrain.hardware import synchronize
-from loomtrain.models.llama import Transformer
 
 
 def partition_layers(
@@ -77,51 +71,3 @@ def _balanced_cuts(costs: list[float], n_stages: int) -> list[int]:
         i = cut[k][i]
         cuts.append(i)
     return cuts[::-1]
-
-
-def measure_layer_seconds(model: Transformer, tokens: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Forward plus backward seconds of each block of ``model`` on one micro-batch (median of
-    ``repeats`` after a warm-up), for a balanced split. ``tokens``: ``LongTensor[B, S]``.
-
-    Every rank measures; callers average over ranks so all agree on one split.
-    """
-    with torch.no_grad():
-        h = model.tok_embeddings(tokens)
-    cos, sin = model.rope_cos[: tokens.shape[1]], model.rope_sin[: tokens.shape[1]]
-    seconds = []
-    for layer in model.layers.values():
-        x = h.detach().requires_grad_(True)
-        times = []
-        for _ in range(repeats + 1):
-            synchronize(tokens.device)
-            start = time.perf_counter()
-            layer(x, cos, sin).sum().backward()
-            synchronize(tokens.device)
-            times.append(time.perf_counter() - start)
-        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
-        with torch.no_grad():
-            h = layer(h, cos, sin)
-    model.zero_grad(set_to_none=True)
-    return seconds
-
-
-def prune_to_rank(model: Transformer, stage_layers: list[list[int]], pp_rank: int, pp: int) -> dict[int, list[str]]:
-    """Keep, in place, only what pipeline rank ``pp_rank`` runs: its stages' layers, the
-    embedding if it holds stage 0, the final norm and head if it holds the last stage.
-    Parameter names do not change (``layers.7.…`` stays ``layers.7.…``), so checkpoints load
-    across pipeline degrees.
-
-    Returns:
-        ``{stage: [layer keys]}`` for this rank's stages, in stage order.
-    """
-    n_stages = len(stage_layers)
-    mine = rank_stages(pp_rank, pp, n_stages // pp)
-    keep = {str(i) for s in mine for i in stage_layers[s]}
-    for key in [k for k in model.layers if k not in keep]:
-        del model.layers[key]
-    if 0 not in mine:
-        model.tok_embeddings = None
-    if n_stages - 1 not in mine:
-        model.norm = None
-        model.output = None
-    return {s: [str(i) for i in stage_layers[s]] for s in mine}

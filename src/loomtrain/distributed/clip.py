@@ -1,0 +1,50 @@
+"""Global gradient-norm clipping when the gradient is spread over ranks.
+
+The rule is ``torch.nn.utils.clip_grad_norm_``'s (Pascanu et al., "On the difficulty of
+training recurrent neural networks", ICML 2013, §3.2): scale all gradients by
+``min(1, max_norm / (norm + 1e-6))``. The norm is that of the full gradient, so each rank sums
+the squares of what it holds and the sums are all-reduced over the groups that hold the other
+pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    sharded: list[torch.Tensor],
+    replicated: list[torch.Tensor],
+    max_norm: float,
+    reduce_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Scale gradients in place so the global L2 norm of the full gradient is at most
+    ``max_norm`` (``max_norm <= 0`` only measures); returns the norm before clipping (a
+    0-dim float32 tensor). Collectives: one or two all-reduces of two floats, one of one float.
+
+    This rank holds parts of the full gradient: ``sharded`` ones are split over ``tp_group``
+    (tensor parallelism: their squares are summed over it), ``replicated`` ones are the same
+    on every tp rank (counted once). With ``reduce_group`` (ZeRO: each rank holds other rows
+    of every tensor) both sums of squares are first summed over that group. With ``pp_group``
+    (pipeline: each rank holds other layers) both are then summed over the pipeline ranks too.
+    """
+    grads = sharded + replicated
+    squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
+    for i, part in enumerate((sharded, replicated)):
+        for g in part:
+            squares[i] += g.float().pow(2).sum()
+    for group in (reduce_group, pp_group):
+        if group is not None:
+            dist.all_reduce(squares, group=group)
+    if tp_group is not None:
+        shard_sum = squares[:1].clone()
+        dist.all_reduce(shard_sum, group=tp_group)
+        squares[0] = shard_sum[0]
+    norm = squares.sum().sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
