@@ -33,6 +33,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_compression.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_tp.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_pipeline.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_data.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

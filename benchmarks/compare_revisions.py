@@ -5,8 +5,8 @@ base revision (a git worktree of ``--base``, its own benchmark script against it
 and on this working tree, ``--rounds`` times each, order alternating per round, so machine
 noise hits both alike. Each run's JSON result is read and its ratios against the peer (ours /
 torch, compressed / uncompressed) are taken; the report is the median of each ratio per
-revision and ``new / base``. Writes ``benchmarks/results/revisions_<bench>.json`` and prints
-the largest ``|new / base - 1|`` last. The checked-in result file of this tree is restored
+revision and ``new / base``. Writes ``--out`` (default ``benchmarks/results/revisions_<bench>.json``)
+and prints the largest ``|new / base - 1|`` last. The checked-in result file of this tree is restored
 afterwards, so the comparison's own runs never replace it.
 
     python benchmarks/compare_revisions.py --base HEAD~1 --bench dp --rounds 2 -- --rounds 4
@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--base", required=True, help="git revision to compare with (a worktree is made of it)")
     p.add_argument("--bench", required=True, choices=list(BENCHES))
     p.add_argument("--rounds", type=int, default=2, help="runs of each revision")
+    p.add_argument("--out", type=Path, help="where the JSON goes (default: results/revisions_<bench>.json)")
     p.add_argument("bench_args", nargs="*", help="arguments for the benchmark script (after --)")
     a = p.parse_args()
     own_result = RESULTS / BENCHES[a.bench][1]
@@ -93,7 +94,7 @@ def main() -> None:
             if saved is not None:
                 own_result.write_bytes(saved)
     report["base"] = a.base
-    (RESULTS / f"revisions_{a.bench}.json").write_text(json.dumps(report, indent=2))
+    (a.out or RESULTS / f"revisions_{a.bench}.json").write_text(json.dumps(report, indent=2))
     for key, value in report["new_over_base"].items():
         print(f"{key}: base {report['median']['base'][key]:.4f}, new {report['median']['new'][key]:.4f}, "
               f"new/base {value:.4f}")  # fmt: skip

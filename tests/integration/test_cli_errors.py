@@ -86,6 +86,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_is_rejected_before_anything_is_written(tmp_path, case):
+    """Catches: a bad value that starts workers, writes a run directory or ends in a traceback
+    instead of one ``error:`` line naming the field (each case in ``CASES``)."""
     args, needles = CASES[case]
     result = run_cli(tmp_path, *args)
     check_rejected(result, *needles)
@@ -93,12 +95,15 @@ def test_bad_input_is_rejected_before_anything_is_written(tmp_path, case):
 
 
 def test_empty_data_file_is_rejected(tmp_path, empty_file):
+    """Catches: an empty corpus file accepted, failing later inside a worker with a shape error."""
     result = run_cli(tmp_path, "--data.dataset=files", f'--data.paths=["{empty_file}"]')
     check_rejected(result, "data.paths", "empty")
     assert not (tmp_path / "runs").exists()
 
 
 def test_existing_checkpoints_are_not_overwritten_without_resume_or_overwrite(tmp_path):
+    """Catches: a fresh start in a run directory that holds checkpoints, which would mix two runs
+    and let retention delete the earlier run's checkpoints."""
     ckpt = tmp_path / "runs" / "shakespeare_char" / "checkpoints" / "step_00000010"
     ckpt.mkdir(parents=True)
     (ckpt / "manifest.json").write_text('{"step": 10, "world_size": 1, "files": {}}')
@@ -108,6 +113,7 @@ def test_existing_checkpoints_are_not_overwritten_without_resume_or_overwrite(tm
 
 
 def test_non_utf8_data_file_is_rejected(tmp_path):
+    """Catches: a Latin-1 file ending in a ``UnicodeDecodeError`` traceback instead of a clear error."""
     (tmp_path / "latin1.txt").write_bytes("café ".encode("latin-1") * 100)
     result = run_cli(tmp_path, "--data.dataset=files", f'--data.paths=["{tmp_path}/latin1.txt"]')
     check_rejected(result, "data.paths", "not UTF-8")
