@@ -334,7 +334,8 @@ class ParallelConfig(_Section):
     replica groups (HSDP, as FSDP2 and torchtitan name it): ZeRO shards model state over the
     ``dp / data_parallel_replicate_degree`` ranks of a group (``dp_shard``) and keeps a replica
     per group (``dp_replicate``), so sharding can stay inside a host while only the gradient
-    average crosses hosts. 1 (the default) shards over all dp ranks.
+    average crosses hosts. 1 (the default) shards over all dp ranks; more needs ZeRO (stage 0
+    already replicates over every dp rank).
 
     ``tensor_parallel_degree``: Megatron tensor parallelism (heads and MLP columns split).
     ``tp_mode="sequence_parallel"`` adds Megatron sequence parallelism on the same ranks (norms
@@ -360,8 +361,8 @@ class ParallelConfig(_Section):
         1,
         ge=1,
         description=(
-            "Replica groups among the data-parallel ranks (HSDP); ZeRO shards model state within each group "
-            "of dp / this many ranks."
+            "Replica groups among the data-parallel ranks (HSDP, needs data_parallel.zero_stage >= 1); ZeRO "
+            "shards model state within each group of dp / this many ranks."
         ),
     )
     tensor_parallel_degree: int = Field(
@@ -582,6 +583,16 @@ class Config(_Section):
                 f"training.seq_len={self.training.seq_len} is longer than the model supports "
                 f"(model.max_seq_len={self.model.max_seq_len}); "
                 "lower training.seq_len or raise model.max_seq_len"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_need_zero(self) -> Config:
+        replicas = self.parallel.data_parallel_replicate_degree
+        if replicas > 1 and self.data_parallel.zero_stage == 0:
+            raise ValueError(
+                f"parallel.data_parallel_replicate_degree={replicas} needs data_parallel.zero_stage >= 1 (HSDP shards "
+                "within a replica group; stage 0 already replicates over every dp rank); set it to 1"
             )
         return self
 

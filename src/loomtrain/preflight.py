@@ -1,10 +1,13 @@
-"""Checks that run before any process group is built or any file is written.
+"""Checks that run before any file is written: in the launcher before any worker starts, and
+in the workers once, on rank 0, before any model is built.
 
 The launcher (``loomtrain train``) calls :func:`check_launch` before starting workers, with
-cheap checkpoint checks (manifest and sizes); in the workers, :func:`check_once` runs the same
-checks once, on rank 0, with every checkpoint checksum it needs, and gives all ranks the
-verdict and the checkpoint to resume from. That covers a plain ``torchrun`` launch too, and a
-start hashes each checkpoint file at most once. All checks only read.
+cheap checks of the newest checkpoint (manifest and sizes; an explicitly named one with its
+checksums too); in the workers, :func:`check_once` runs the same checks once, on rank 0, with
+every checkpoint checksum it needs, and gives all ranks the verdict and the checkpoint to
+resume from. That covers a plain ``torchrun`` launch too. A ``--resume auto`` start hashes
+each checkpoint file once, a ``--resume <dir>`` start twice (launcher and rank 0). All checks
+only read.
 """
 
 from __future__ import annotations
@@ -47,16 +50,22 @@ def check_once(cfg: Config, world_size: int) -> Path | None:
     Raises:
         ConfigError: on every rank, what rank 0's checks found.
     """
-    verdict: list = [None, None]
+    verdict: list = [None, None, None]  # error kind, message, checkpoint
+    error = None
     if is_main_process():
         try:
-            verdict[1] = check_launch(cfg, world_size, hashes=True)
-        except ConfigError as err:
-            verdict[0] = str(err)
+            verdict[2] = check_launch(cfg, world_size, hashes=True)
+        except Exception as err:  # every rank must hear of it, or the others wait in the broadcast forever
+            error, verdict[:2] = err, [type(err).__name__, str(err)]
     dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise ConfigError(verdict[0])
-    return verdict[1]
+    kind, message, checkpoint = verdict
+    if kind == "ConfigError":
+        raise ConfigError(message)
+    if error is not None:
+        raise error
+    if kind is not None:
+        raise RuntimeError(f"rank 0's start-up checks failed with {kind}: {message}")
+    return checkpoint
 
 
 def check_world(cfg: Config, world_size: int) -> None:
@@ -106,7 +115,8 @@ def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:
             return None
     else:
         latest = Path(resume)
-        problem = verify_checkpoint(latest, hashes)
+        # Always with checksums: a damaged checkpoint the user named is refused before any worker starts.
+        problem = verify_checkpoint(latest)
         if problem:
             raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {problem}")
     # <run>/checkpoints/step_N: the config beside the checkpoint, also when it is another run's.

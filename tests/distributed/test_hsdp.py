@@ -105,3 +105,20 @@ def test_rank_weights_give_the_sample_weighted_average():
         got, want = spawn(weighted_gradients, 2, stage)[0]
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=f"stage {stage} {name}")
+
+
+def negative_weight_on_rank_1() -> str:
+    cfg = load_config(None, BASE)
+    pm = parallelize_llama(Transformer(cfg.model), ParallelDims.from_config(cfg.parallel, 2), cfg, AllReduceHook())
+    try:
+        pm.sync.set_rank_weight(-1.0 if dist.get_rank() == 1 else 1.0)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_negative_rank_weight_is_refused_on_every_rank():
+    """Catches: a bad weight refused by its own rank only, before the collective, leaving the
+    other ranks waiting in it until the timeout."""
+    errors = spawn(negative_weight_on_rank_1, 2)
+    assert all("negative rank weight" in e for e in errors), errors

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +79,10 @@ CASES = {
         ["--parallel.pipeline_parallel_degree=2", "--model.tie_embeddings=true"],
         ["model.tie_embeddings", "pipeline_parallel_degree"],
     ),
+    "replicas_without_zero": (
+        ["--nproc", "4", "--training.micro_batch_size=3", "--parallel.data_parallel_replicate_degree=2"],
+        ["parallel.data_parallel_replicate_degree=2", "zero_stage >= 1"],
+    ),
     "world_not_divisible_by_tp": (
         ["--nproc", "3", "--parallel.tensor_parallel_degree=2"],
         ["world size 3", "tensor_parallel_degree=2"],
@@ -136,6 +142,19 @@ def test_resume_with_another_model_shape_is_refused(tmp_path):
     before = (run / "config.toml").read_text()
     check_rejected(run_cli(tmp_path, "--resume", "auto", "--model.n_layers=2"), "model.n_layers=2", "4")
     assert (run / "config.toml").read_text() == before
+
+
+def test_damaged_checkpoint_named_by_resume_is_refused_before_workers_start(tmp_path):
+    """Catches: a named checkpoint whose size is right but whose bytes are not passing the
+    launcher's checks, so workers start and the refusal ends in a torchrun traceback (exit 1)
+    instead of one error line."""
+    step = fake_run(tmp_path) / "checkpoints" / "step_00000010"
+    (step / "__0_0.distcp").write_bytes(b"x" * 64)
+    digest = hashlib.sha256(b"y" * 64).hexdigest()  # the manifest describes other bytes of the same size
+    (step / "manifest.json").write_text(
+        json.dumps({"step": 10, "world_size": 2, "files": {"__0_0.distcp": {"bytes": 64, "sha256": digest}}})
+    )
+    check_rejected(run_cli(tmp_path, "--nproc", "2", "--resume", str(step)), "checkpoint.resume=", "SHA-256")
 
 
 def test_overwrite_refuses_a_directory_loomtrain_did_not_write(tmp_path):

@@ -226,7 +226,7 @@ class GradientSynchronizer(GradientSync):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, bucket_size_bytes: int, hook: CommHook,
                  tp_sharded: frozenset[str] = frozenset(), tp_group: dist.ProcessGroup | None = None,
                  pp_group: dist.ProcessGroup | None = None):  # fmt: skip
-        super().__init__(hook, group)
+        super().__init__(hook, group, next(module.parameters()).device)
         # Registration order: the norm's sum of squares runs in it, as torch's clip_grad_norm_ does.
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.tp_sharded, self.tp_group, self.pp_group = tp_sharded, tp_group, pp_group

@@ -39,9 +39,10 @@ class GradientSync(ABC):
 
     _sync = True
 
-    def __init__(self, hook, group: dist.ProcessGroup, scaler: DynamicLossScaler | None = None):
+    def __init__(self, hook, group: dist.ProcessGroup, device: torch.device, scaler: DynamicLossScaler | None = None):
         self.hook = hook
         self.group = group
+        self.device = device  # where this strategy's collectives put their small tensors (NCCL needs CUDA)
         self.scaler = scaler
         self.optimizer: torch.optim.Optimizer | None = None
         self._rank_factor = 1.0
@@ -102,15 +103,17 @@ class GradientSync(ABC):
         so every hook and ZeRO stage averages the weighted gradients unchanged.
 
         Raises:
-            ValueError: a negative weight, or weights summing to zero.
+            ValueError: on every rank, when any rank's weight is negative or the weights sum to zero.
         """
-        if weight < 0:
-            raise ValueError(f"a rank weight must be non-negative, got {weight}")
-        total = torch.tensor([weight], dtype=torch.float64)
-        dist.all_reduce(total, group=self.group)
-        if total.item() <= 0:
+        # The weight sum and the count of negative weights in one all-reduce, so all ranks agree to raise.
+        values = torch.tensor([max(weight, 0.0), float(weight < 0)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=self.group)
+        total, negative = values.tolist()
+        if negative:
+            raise ValueError(f"{int(negative)} rank(s) gave a negative rank weight (this rank: {weight})")
+        if total <= 0:
             raise ValueError("the rank weights sum to zero: at least one rank must have processed samples")
-        self._rank_factor = dist.get_world_size(self.group) * weight / total.item()
+        self._rank_factor = dist.get_world_size(self.group) * weight / total
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """What a resumed run needs: ``"shared"`` (JSON-able, the same on every rank, kept

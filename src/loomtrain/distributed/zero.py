@@ -62,12 +62,12 @@ class ZeroSynchronizer(GradientSync):
                  mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None,
                  tp: TensorParallelLayout | None = None, pp_group: dist.ProcessGroup | None = None):  # fmt: skip
         self.layout = ShardLayout(mesh, stage, mp, tp)
-        super().__init__(hook, None, scaler)
+        super().__init__(hook, None, next(module.parameters()).device, scaler)
         self.stage, self.mp, self.tp, self.pp_group = stage, mp, tp, pp_group
         self.shard_group = self.layout.shard_mesh.get_group()
         # HSDP: the replica groups (mesh dim 0) average the reduced shards; the whole data-parallel
         # group (replicas × shards) is what the rank weights and stage 1's all-reduce span.
-        self.replica_group = None if mesh.ndim == 1 else mesh.get_group(0)
+        self.replica_group = None if mesh.ndim == 1 or mesh.size(0) == 1 else mesh.get_group(0)
         self.group = self.shard_group if mesh.ndim == 1 else mesh._flatten().get_group()
         self.n, self.rank = self.layout.n, self.layout.rank
         self.units = self.layout.build_units(module, blocks)
