@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from loomtrain.config import Config
-from loomtrain.distributed.parallel_dims import MESH_AXES, is_main_process
+from loomtrain.distributed.parallel_dims import Axis, is_main_process
 from loomtrain.distributed.traffic import GRADIENT_AXIS
 from loomtrain.hardware import mfu, peak_flops_per_s
 from loomtrain.models.flops import flops_per_token
@@ -289,7 +289,7 @@ class TrainingMetrics:
         collective: every rank calls it."""
         dims = self.pm.dims
         steps = max(1, self.speed.total[0])
-        axes = [GRADIENT_AXIS] + [str(a) for a in MESH_AXES if a in ("pp", "sp", "tp") and dims.degree(a) > 1]
+        axes = [GRADIENT_AXIS] + [str(a) for a in (Axis.PP, Axis.SP, Axis.TP) if dims.degree(a) > 1]
         sent = [float(self.train_traffic.get(axis, 0)) for axis in axes]
         totals = torch.tensor(sent, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)

@@ -117,19 +117,18 @@ class Trainer:
         """Load the chosen checkpoint (if any) and record what happened in the event log."""
         self.step = self.start_step = 0
         self.events = EventLog(self.cfg.run_dir, is_main_process())
-        reached = 0
-        if self.resumed_from is not None:
-            # Metrics are logged every log_interval steps; a checkpoint may come from a later step.
-            reached = max(last_logged_step(self.cfg.run_dir), read_manifest(self.resumed_from)["step"])
-        record_start(self.events, self.dims.world_size, launch_env().restart_count, reached)
         if self.resumed_from is None:
+            record_start(self.events, self.dims.world_size, launch_env().restart_count, 0)
             return
+        manifest = read_manifest(self.resumed_from)
+        # Metrics are logged every log_interval steps; a checkpoint may come from a later step.
+        reached = max(last_logged_step(self.cfg.run_dir), manifest["step"])
+        record_start(self.events, self.dims.world_size, launch_env().restart_count, reached)
         state = self.ckpt.load(self.resumed_from, self.model, self.optimizer, self.pm)
         self.step = self.start_step = state.step
         self.loader.load_state_dict(state.loader)
         self.sync.load_state_dict(state.sync)
-        saved_world = read_manifest(self.resumed_from)["world_size"]
-        record_resume(self.events, self.resumed_from, state.step, saved_world, self.dims.world_size, reached)
+        record_resume(self.events, self.resumed_from, state.step, manifest["world_size"], self.dims.world_size, reached)
 
     def _build_metrics(self) -> None:
         cfg = self.cfg

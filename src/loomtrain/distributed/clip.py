@@ -9,8 +9,23 @@ pieces.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+
 import torch
 import torch.distributed as dist
+
+
+def split_by_tp(
+    named_grads: Iterable[tuple[str, torch.Tensor | None]], tp_sharded: Collection[str]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients (``None`` skipped, order kept) split into those of parameters sharded over
+    tensor parallelism (names in ``tp_sharded``) and the rest: the two lists
+    :func:`clip_grad_norm_` takes."""
+    sharded, replicated = [], []
+    for name, grad in named_grads:
+        if grad is not None:
+            (sharded if name in tp_sharded else replicated).append(grad)
+    return sharded, replicated
 
 
 @torch.no_grad()

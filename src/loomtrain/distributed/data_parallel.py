@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loomtrain.distributed.clip import clip_grad_norm_
+from loomtrain.distributed.clip import clip_grad_norm_, split_by_tp
 from loomtrain.distributed.sync import GradientSync, model_state_bytes
 from loomtrain.distributed.traffic import GRADIENT_AXIS, Traffic, all_reduce_bytes, reduce_scatter_bytes
 
@@ -141,16 +141,21 @@ class CommHook(ABC):
         self.dense_bytes += nbytes
         return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
 
-    def average_replicas(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """Average ``tensor`` (in place, blocking) over the replica groups of HSDP: ZeRO's
-        reduced gradient shard, which ranks at the same shard position hold, one per replica
-        group. Dense by default; ``bytes_sent`` and ``dense_bytes`` grow by the ring volume."""
+    def _dense_average(self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> dist.Work | None:
+        """Average ``tensor`` in place over ``group``: divide by its size, then a sum all-reduce;
+        ``bytes_sent`` and ``dense_bytes`` grow by the ring volume, 2·(n−1)/n of the tensor."""
         n = dist.get_world_size(group)
         tensor.div_(n)
         nbytes = all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
         self.bytes_sent += nbytes
         self.dense_bytes += nbytes
-        dist.all_reduce(tensor, group=group)
+        return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+    def average_replicas(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Average ``tensor`` (in place, blocking) over the replica groups of HSDP: ZeRO's
+        reduced gradient shard, which ranks at the same shard position hold, one per replica
+        group. Dense by default."""
+        self._dense_average(tensor, group, async_op=False)
 
     def on_step_end(self) -> None:
         """Called once per optimizer step, after all of its reductions finished."""
@@ -171,14 +176,9 @@ class AllReduceHook(CommHook):
     """
 
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
-        n = dist.get_world_size(group)
-        bucket.buffer.div_(n)
-        nbytes = all_reduce_bytes(bucket.nbytes, n)
-        self.bytes_sent += nbytes
-        self.dense_bytes += nbytes
         # The collective's own future (value: [buffer]); chaining a Python callback with
         # .then() would run it on the communication thread, contending for the GIL with backward.
-        return dist.all_reduce(bucket.buffer, group=group, async_op=True).get_future()
+        return self._dense_average(bucket.buffer, group, async_op=True).get_future()
 
 
 COMM_HOOKS: dict[str, type[CommHook]] = {"allreduce": AllReduceHook}
@@ -314,10 +314,7 @@ class GradientSynchronizer(GradientSync):
         """Clip the averaged gradients to global L2 norm ``max_norm`` (``<= 0``: leave them);
         plain data parallelism has no loss scaling, so the step always runs."""
         if max_norm > 0:
-            sharded, replicated = [], []
-            for name, p in self.named_params:
-                if p.grad is not None:
-                    (sharded if name in self.tp_sharded else replicated).append(p.grad)
+            sharded, replicated = split_by_tp(((n, p.grad) for n, p in self.named_params), self.tp_sharded)
             clip_grad_norm_(sharded, replicated, max_norm, tp_group=self.tp_group, pp_group=self.pp_group)
         return True
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from loomtrain.distributed.clip import clip_grad_norm_
+from loomtrain.distributed.clip import clip_grad_norm_, split_by_tp
 from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, broadcast_module
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.sync import GradientSync, model_state_bytes
@@ -62,13 +62,14 @@ class ZeroSynchronizer(GradientSync):
                  mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None,
                  tp: TensorParallelLayout | None = None, pp_group: dist.ProcessGroup | None = None):  # fmt: skip
         self.layout = ShardLayout(mesh, stage, mp, tp)
-        super().__init__(hook, None, next(module.parameters()).device, scaler)
-        self.stage, self.mp, self.tp, self.pp_group = stage, mp, tp, pp_group
         self.shard_group = self.layout.shard_mesh.get_group()
         # HSDP: the replica groups (mesh dim 0) average the reduced shards; the whole data-parallel
-        # group (replicas × shards) is what the rank weights and stage 1's all-reduce span.
+        # group (replicas × shards) is what the broadcast, the rank weights and stage 1's all-reduce span.
+        group = self.shard_group if mesh.ndim == 1 else mesh._flatten().get_group()
+        super().__init__(hook, group, next(module.parameters()).device, scaler)
+        broadcast_module(module, group)  # before the masters are cut from the parameters
         self.replica_group = None if mesh.ndim == 1 or mesh.size(0) == 1 else mesh.get_group(0)
-        self.group = self.shard_group if mesh.ndim == 1 else mesh._flatten().get_group()
+        self.stage, self.mp, self.tp, self.pp_group = stage, mp, tp, pp_group
         self.n, self.rank = self.layout.n, self.layout.rank
         self.units = self.layout.build_units(module, blocks)
         self._state_bytes = {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
@@ -273,16 +274,11 @@ class ZeroSynchronizer(GradientSync):
         Works on the masters' fp32 ``.grad``.
         """
         self._set_master_grads()
-        grads = [s.master.grad.to_local() for u in self.units for s in u.slots if s.master.grad is not None]
-        if self.scaler is not None and not self.scaler.unscale_and_check(grads, *self._check_groups()):
+        named = [(s.name, s.master.grad.to_local()) for u in self.units for s in u.slots if s.master.grad is not None]
+        if self.scaler is not None and not self.scaler.unscale_and_check([g for _, g in named], *self._check_groups()):
             return False
         if max_norm > 0:
-            sharded, replicated = [], []
-            for unit in self.units:
-                for slot in unit.slots:
-                    if slot.master.grad is not None:
-                        tp_split = self.tp is not None and slot.name in self.tp.shards
-                        (sharded if tp_split else replicated).append(slot.master.grad.to_local())
+            sharded, replicated = split_by_tp(named, self.tp.shards if self.tp is not None else ())
             tp_group = self.tp.group if self.tp is not None else None
             clip_grad_norm_(sharded, replicated, max_norm, reduce_group=self.shard_group, tp_group=tp_group,
                             pp_group=self.pp_group)  # fmt: skip
@@ -358,7 +354,6 @@ def apply_zero(
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"data_parallel.zero_stage={stage}; apply_zero needs 1, 2 or 3 (0 is plain data parallel)")
-    broadcast_module(module, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
     blocks = list(blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     if blocks and all(id(p) in in_blocks for p in module.parameters()):
