@@ -1,7 +1,10 @@
-"""Command line: ``loomtrain train``, ``loomtrain generate`` and ``loomtrain report``.
+"""Command line: ``loomtrain train | generate | report | cluster | bench``.
 
     loomtrain train --config configs/shakespeare_char.toml --nproc 2 [--section.key=value ...]
     torchrun --nproc-per-node 8 -m loomtrain.cli train --config configs/x.toml
+    loomtrain cluster up --hosts 2 --procs-per-host 2 --inter-rate 100mbit   (root; see docs/cluster.md)
+    loomtrain train --cluster --config configs/shakespeare_char.toml [--elastic --min-nodes 1]
+    loomtrain bench collectives [--cluster | --nproc 4] [--max-bytes 64MB]
     loomtrain generate --run runs/shakespeare_char --prompt "ROMEO:" --max-new-tokens 300
     loomtrain report runs/shakespeare_char [--step 100]
 
@@ -16,6 +19,7 @@ import logging
 import os
 import sys
 
+from loomtrain.cluster.cli import cluster_parser, cmd_cluster
 from loomtrain.config import Config, ConfigError, load_config
 from loomtrain.distributed.parallel_dims import launch_env
 from loomtrain.launch import ElasticSpec, launch
@@ -42,6 +46,10 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: restarts allowed (default 3)")
     p.add_argument("--min-nproc", type=int, help="with --elastic: smallest world size to go on with")
     p.add_argument("--max-nproc", type=int, help="with --elastic: largest world size to grow to")
+    p.add_argument("--cluster", nargs="?", const="loom", metavar="NAME",
+                   help="run on the emulated cluster NAME (default 'loom', see `loomtrain cluster up`): one torchrun "
+                        "agent per host, its procs-per-host workers each")  # fmt: skip
+    p.add_argument("--min-nodes", type=int, help="with --cluster --elastic: fewest hosts to go on with")
     return p
 
 
@@ -87,10 +95,19 @@ def cmd_train(argv: list[str]) -> int:
     if _inside_launcher():
         _die_with_parent()
         return _run_worker(cfg)
+    if args.cluster is not None:
+        return _train_on_cluster(args, overrides, cfg)
+    if args.min_nodes is not None:
+        raise ConfigError("--min-nodes counts hosts of an emulated cluster; use it with --cluster")
     check_launch(cfg, args.nproc)
     elastic = _elastic_spec(args, cfg)
     if args.nproc == 1 and elastic is None:
         return _run_worker(cfg)
+    return launch(args.nproc, _worker_argv(args, overrides, cfg, elastic), elastic, cfg.run_dir,
+                  f"loomtrain-{cfg.run.name}")  # fmt: skip
+
+
+def _worker_argv(args: argparse.Namespace, overrides: list[str], cfg: Config, elastic: ElasticSpec | None) -> list[str]:
     config_args = [] if args.config is None else ["--config", args.config]
     if elastic is not None:
         # Every attempt, the first included, resumes from whatever checkpoint exists; the
@@ -98,7 +115,46 @@ def cmd_train(argv: list[str]) -> int:
         apply_overwrite(cfg)
         overrides = [o for o in overrides if not o.startswith(("--checkpoint.resume=", "--run.overwrite="))]
         overrides.append("--checkpoint.resume=auto")
-    return launch(args.nproc, config_args + overrides, elastic, cfg.run_dir, f"loomtrain-{cfg.run.name}")
+    return config_args + overrides
+
+
+def _cluster_elastic_spec(args: argparse.Namespace, cfg: Config, hosts: int, nproc: int) -> ElasticSpec | None:
+    """Elastic bounds in hosts for a cluster launch; every world size they allow is checked.
+
+    Raises:
+        ConfigError: --min-nodes out of 1..hosts, or without --elastic; a world size the config
+            cannot run on.
+    """
+    if not args.elastic:
+        if args.min_nodes is not None:
+            raise ConfigError("--min-nodes needs --elastic")
+        return None
+    lo = hosts if args.min_nodes is None else args.min_nodes
+    if not 1 <= lo <= hosts:
+        raise ConfigError(f"--min-nodes={lo} must be between 1 and the cluster's {hosts} hosts")
+    if cfg.checkpoint.resume not in ("never", "auto"):
+        raise ConfigError("--elastic resumes from the newest checkpoint by itself; drop --resume <dir>")
+    for nodes in range(lo, hosts + 1):
+        check_world(cfg, nodes * nproc)
+    return ElasticSpec(lo, hosts, args.max_restarts)
+
+
+def _train_on_cluster(args: argparse.Namespace, overrides: list[str], cfg: Config) -> int:
+    """``--cluster``: one torchrun agent per emulated host (see ``launch.cluster_commands``)."""
+    from loomtrain.cluster.emulated import load_cluster
+    from loomtrain.launch import launch_cluster
+
+    if args.min_nproc is not None or args.max_nproc is not None:
+        raise ConfigError("--min-nproc/--max-nproc are for one machine; with --cluster use --min-nodes")
+    cluster = load_cluster(args.cluster)
+    hosts, nproc = cluster.spec.hosts, cluster.spec.procs_per_host
+    if args.nproc not in (1, nproc):
+        raise ConfigError(f"--nproc={args.nproc} differs from cluster '{args.cluster}''s {nproc} procs per host; "
+                          "drop --nproc (the cluster sets it)")  # fmt: skip
+    check_launch(cfg, hosts * nproc)
+    elastic = _cluster_elastic_spec(args, cfg, hosts, nproc)
+    worker = ["-m", "loomtrain.cli", "train", *_worker_argv(args, overrides, cfg, elastic)]
+    return launch_cluster(cluster, worker, elastic, cfg.run_dir, f"loomtrain-{cfg.run.name}")
 
 
 def _die_with_parent() -> None:
@@ -181,9 +237,44 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "report": cmd_report}
+def _bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loomtrain bench collectives",
+        description="Time all-reduce, reduce-scatter, all-gather and all-to-all, flat and hierarchical: algbw, busbw "
+        "(nccl-tests definitions) and the fraction of the slowest link's rate. Other options go to the benchmark: "
+        "--ops, --min-bytes, --max-bytes, --modes, --iters, --link-rate, --json.",
+    )
+    p.add_argument("what", choices=["collectives"], help="what to benchmark")
+    p.add_argument("--nproc", type=int, default=2, help="local processes (without --cluster; default 2)")
+    p.add_argument("--cluster", nargs="?", const="loom", metavar="NAME", help="run on emulated cluster NAME")
+    return p
+
+
+def cmd_bench(argv: list[str]) -> int:
+    args, rest = _bench_parser().parse_known_args(argv)
+    if _inside_launcher():
+        from loomtrain.collective_bench import main_worker
+
+        main_worker(rest)
+        return 0
+    from loomtrain.launch import launch_cluster, run_agents
+
+    worker = ["-m", "loomtrain.cli", "bench", args.what, *rest]
+    if args.cluster is not None:
+        from loomtrain.cluster.emulated import load_cluster
+
+        return launch_cluster(load_cluster(args.cluster), worker, None, None, "loomtrain-bench")
+    if args.nproc < 2:
+        raise ConfigError(f"--nproc={args.nproc}: a collective benchmark needs at least 2 processes")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", *worker]
+    return run_agents([cmd], {**os.environ, "OMP_NUM_THREADS": "1"}, None)
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "report": cmd_report, "cluster": cmd_cluster,
+            "bench": cmd_bench}  # fmt: skip
 # Each command's argument parser, for its --help and the generated reference (docs/configuration.md).
-PARSERS = {"train": _train_parser, "generate": _generate_parser, "report": _report_parser}
+PARSERS = {"train": _train_parser, "generate": _generate_parser, "report": _report_parser, "cluster": cluster_parser,
+           "bench": _bench_parser}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -290,8 +290,13 @@ class DataParallelConfig(_Section):
             " gradients are complete."
         ),
     )
-    comm_hook: Literal["allreduce"] = Field(
-        "allreduce", description='How stage 0 and ZeRO reduce gradients when `compression.method = "none"`.'
+    comm_hook: Literal["allreduce", "hierarchical", "auto"] = Field(
+        "allreduce",
+        description=(
+            "How stage 0 reduces gradients: `allreduce` (flat ring), `hierarchical` (reduce-scatter inside each host,"
+            " all-reduce across hosts, all-gather inside; a compressor then compresses only what crosses hosts) or"
+            " `auto` (per bucket, whichever the measured topology predicts faster). ZeRO's reduce-scatter stays flat."
+        ),
     )
     zero_stage: int = Field(
         0,
@@ -536,6 +541,14 @@ class DistributedConfig(_Section):
         "auto", description="Collective backend; `auto` is NCCL with CUDA, gloo otherwise."
     )
     timeout_s: float = Field(300.0, gt=0, description="Seconds a collective may wait for its peers before failing.")
+    probe_topology: bool = Field(
+        True,
+        description=(
+            "At start, measure bandwidth and latency between hosts and inside each host (`<run>/topology.json`);"
+            ' `comm_hook = "auto"` decides from these figures.'
+        ),
+    )
+    probe_budget_s: float = Field(3.0, gt=0, description="Seconds the start-up link probe may take in all.")
 
 
 class MetricsConfig(_Section):

@@ -1,4 +1,5 @@
-"""Starting local workers through torchrun: plain, or elastic with restarts.
+"""Starting workers through torchrun: on this machine, plain or elastic with restarts, or one
+agent per host of an emulated cluster (``--cluster``), as on real machines.
 
 - Plain (``--nproc N``): one torchrun agent, ``--standalone``, N workers; a failure ends the job.
 - Elastic (``--elastic``): c10d rendezvous and ``--max-restarts``. With a fixed size, one agent
@@ -6,6 +7,11 @@
   each worker gets an agent of its own (a one-process "node"), so losing one shrinks the job to
   the survivors (down to A) and a new one can join (up to B), as whole nodes do across hosts.
   Every attempt resumes from the newest complete checkpoint.
+
+- Emulated cluster (``--cluster NAME``, see ``loomtrain.cluster``): one torchrun agent per host,
+  inside its network namespace, ``--nnodes H --node-rank i`` with c10d rendezvous on host 0;
+  with ``--elastic --min-nodes A``, losing a host (its processes killed, or its link gone
+  silent until the collective timeout) shrinks the job to the remaining hosts.
 
 The launcher passes SIGTERM and SIGINT on to the agents, which pass them to the workers; the
 workers checkpoint at the current step and stop. The launcher then exits 0 if the event log
@@ -21,34 +27,66 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loomtrain.distributed.spawn import free_port
 from loomtrain.metrics import EventLog
 
+if TYPE_CHECKING:
+    from loomtrain.cluster.emulated import Cluster
+
+# torchrun's default rendezvous port; each emulated host has its own port space.
+RDZV_PORT = 29400
+# Seconds the rendezvous waits for more nodes once the minimum has joined.
+LAST_CALL_S = 5
+# Seconds the other agents get to finish after one agent finished the job.
+STRAGGLER_GRACE_S = 60
+
 
 @dataclass(frozen=True)
 class ElasticSpec:
-    """Elastic launch bounds (processes on this machine) and how often the agents may restart."""
+    """Elastic launch bounds in torchrun nodes (one-process nodes on this machine, hosts of a
+    cluster) and how often the agents may restart."""
 
-    min_nproc: int
-    max_nproc: int
+    min_nodes: int
+    max_nodes: int
     max_restarts: int
 
 
+def torchrun_argv(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, max_restarts: int,
+                  rdzv_conf: dict[str, str] | None = None, node_rank: int | None = None,
+                  local_addr: str | None = None) -> list[str]:  # fmt: skip
+    """One torchrun agent's command line with c10d rendezvous at ``rdzv_endpoint`` (``host:port``),
+    what a user types on each machine of a multi-node job (torchrun docs, "Elastic launch").
+
+    ``nnodes`` is ``"N"`` or ``"MIN:MAX"``; ``local_addr`` is the address peers reach this node
+    at (torchrun otherwise uses the hostname, which emulated hosts share); the worker command
+    (``-m loomtrain.cli ...``) follows.
+    """
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
+            f"--max-restarts={max_restarts}"]  # fmt: skip
+    if node_rank is not None:
+        argv.append(f"--node-rank={node_rank}")
+    if local_addr is not None:
+        argv.append(f"--local-addr={local_addr}")
+    if rdzv_conf:
+        argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
+    return argv
+
+
 def agent_commands(nproc: int, worker_argv: list[str], elastic: ElasticSpec | None, run_id: str) -> list[list[str]]:
-    """One torchrun command line per agent to start."""
-    base = [sys.executable, "-m", "torch.distributed.run"]
+    """One torchrun command line per agent to start on this machine."""
     worker = ["-m", "loomtrain.cli", "train", *worker_argv]
     if elastic is None:
-        return [[*base, "--standalone", f"--nproc-per-node={nproc}", *worker]]
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_id}",
-            f"--max-restarts={elastic.max_restarts}"]  # fmt: skip
-    if elastic.min_nproc == elastic.max_nproc == nproc:
-        return [[*base, *rdzv, "--nnodes=1", f"--nproc-per-node={nproc}", *worker]]
-    nnodes = f"--nnodes={elastic.min_nproc}:{elastic.max_nproc}"
+        return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *worker]]
+    endpoint = f"127.0.0.1:{free_port()}"
+    if elastic.min_nodes == elastic.max_nodes == nproc:
+        return [[*torchrun_argv("1", nproc, endpoint, run_id, elastic.max_restarts), *worker]]
+    nnodes = f"{elastic.min_nodes}:{elastic.max_nodes}"
     # All agents share this host, so say which one serves the rendezvous store.
     return [
-        [*base, *rdzv, nnodes, "--nproc-per-node=1", f"--rdzv-conf=is_host={int(i == 0)}", *worker]
+        [*torchrun_argv(nnodes, 1, endpoint, run_id, elastic.max_restarts, {"is_host": str(int(i == 0))}), *worker]
         for i in range(nproc)
     ]
 
@@ -58,35 +96,91 @@ def _preempted_since(run_dir: Path, since: float) -> bool:
     return any(e["event"] == "preempted" and e["time"] >= since for e in events)
 
 
-def launch(nproc: int, worker_argv: list[str], elastic: ElasticSpec | None, run_dir: Path, run_id: str) -> int:
-    """Run the agents to completion; returns the job's exit status (0: finished or preempted
-    with a checkpoint)."""
+def _agent_env(rendezvous: bool) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if elastic is not None:
+    if rendezvous:
         # Restarted gloo workers otherwise may reuse the previous attempt's store address and
         # hang (pytorch issue 135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def launch(nproc: int, worker_argv: list[str], elastic: ElasticSpec | None, run_dir: Path, run_id: str) -> int:
+    """Run this machine's agents to completion; returns the job's exit status (0: finished or
+    preempted with a checkpoint)."""
+    return run_agents(agent_commands(nproc, worker_argv, elastic, run_id), _agent_env(elastic is not None), run_dir)
+
+
+def cluster_commands(cluster: Cluster, worker: list[str], elastic: ElasticSpec | None, run_id: str,
+                     port: int = RDZV_PORT) -> list[list[str]]:  # fmt: skip
+    """One torchrun agent per emulated host, started inside that host's network namespace, each
+    running ``procs_per_host`` copies of ``worker`` (e.g. ``["-m", "loomtrain.cli", "train", ...]``),
+    with the c10d rendezvous served by host 0: ``--nnodes H`` (elastic: ``MIN:MAX`` hosts),
+    ``--node-rank i``, ``--local-addr`` the host's own address."""
+    hosts, nproc = cluster.spec.hosts, cluster.spec.procs_per_host
+    nnodes = str(hosts) if elastic is None else f"{elastic.min_nodes}:{elastic.max_nodes}"
+    restarts = 0 if elastic is None else elastic.max_restarts
+    endpoint = f"{cluster.address(0)}:{port}"
+    cmds = []
+    for i in range(hosts):
+        # Host 0's address is local to its namespace only; say who serves the store rather than
+        # rely on torchrun matching it against the (shared) hostname. A host that left needs
+        # seconds, not the default 30, before the survivors go on without it.
+        conf = {"is_host": str(int(i == 0)), "last_call_timeout": str(LAST_CALL_S)}
+        agent = torchrun_argv(nnodes, nproc, endpoint, run_id, restarts, conf, i, cluster.address(i))
+        cmds.append(cluster.exec_argv(i, [*agent, *worker]))
+    return cmds
+
+
+def launch_cluster(cluster: Cluster, worker: list[str], elastic: ElasticSpec | None, run_dir: Path | None,
+                   run_id: str) -> int:  # fmt: skip
+    """Run one torchrun agent per emulated host to completion (see :func:`cluster_commands`)."""
+    return run_agents(cluster_commands(cluster, worker, elastic, run_id), _agent_env(True), run_dir)
+
+
+def run_agents(cmds: list[list[str]], env: dict[str, str], run_dir: Path | None) -> int:
+    """Start the agents, forward SIGTERM/SIGINT to them, and wait.
+
+    Returns 0 when an agent finished the job (with one agent per node, the agent of a lost
+    node exits non-zero while the survivors finish) or a stop request ended in a preemption
+    checkpoint in ``run_dir``; else the first agent's status. Agents still running ``STRAGGLER_GRACE_S``
+    seconds after one finished the job (a node cut off from the rendezvous waits for it in
+    vain) are stopped.
+    """
     started = time.time()
-    procs = [subprocess.Popen(cmd, env=env) for cmd in agent_commands(nproc, worker_argv, elastic, run_id)]
+    procs = [subprocess.Popen(cmd, env=env) for cmd in cmds]
     stop_requested = []
 
     def forward(signum, frame) -> None:
         stop_requested.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        _signal_all(procs, signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        codes = [p.wait() for p in procs]
+        codes = _wait_agents(procs)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if stop_requested:
-        return 0 if _preempted_since(run_dir, started) else 1
-    # With one agent per worker, an agent whose process was lost exits non-zero while the
-    # survivors finish the job: the job succeeded if any agent did.
+        return 0 if run_dir is not None and _preempted_since(run_dir, started) else 1
     return 0 if 0 in codes else codes[0]
+
+
+def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+
+
+def _wait_agents(procs: list[subprocess.Popen]) -> list[int]:
+    finished_at = None
+    while any(p.poll() is None for p in procs):
+        if finished_at is None and any(p.returncode == 0 for p in procs):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > STRAGGLER_GRACE_S:
+            _signal_all(procs, signal.SIGKILL)
+        time.sleep(0.2)
+    return [p.returncode for p in procs]
 
 
 def local_worker_pids(marker: str) -> list[int]:

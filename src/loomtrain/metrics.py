@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from loomtrain.config import Config
 from loomtrain.distributed.parallel_dims import Axis, is_main_process
-from loomtrain.distributed.traffic import GRADIENT_AXIS
+from loomtrain.distributed.traffic import GRADIENT_AXIS, INTER_HOST_AXIS
 from loomtrain.hardware import mfu, peak_flops_per_s
 from loomtrain.models.flops import flops_per_token
 
@@ -164,13 +164,20 @@ class EventLog:
 class SampleRecorder:
     """Per rank, the window ids of every micro-batch it trained on, one JSON line per step in
     ``<run>/samples/rank_XXXXX.jsonl``: an audit that no sample is skipped or seen twice across
-    restarts. Records past the resumed step are dropped, as they are redone."""
+    restarts. Records past the resumed step are dropped, as they are redone; after a shrink,
+    rank 0 drops them from the files of ranks that no longer exist too."""
 
-    def __init__(self, run_dir: Path, rank: int, start_step: int, enabled: bool):
+    def __init__(self, run_dir: Path, rank: int, start_step: int, enabled: bool, world_size: int = 1):
         self._file = None
-        if enabled:
-            (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-            self._file = _truncated_jsonl(run_dir / "samples" / f"rank_{rank:05d}.jsonl", start_step)
+        if not enabled:
+            return
+        folder = run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = _truncated_jsonl(folder / f"rank_{rank:05d}.jsonl", start_step)
+        if rank == 0:
+            for path in folder.glob("rank_*.jsonl"):
+                if int(path.stem.removeprefix("rank_")) >= world_size:
+                    _truncated_jsonl(path, start_step).close()
 
     def record(self, step: int, sample_ids: list[list[int]]) -> None:
         if self._file is not None:
@@ -290,6 +297,8 @@ class TrainingMetrics:
         dims = self.pm.dims
         steps = max(1, self.speed.total[0])
         axes = [GRADIENT_AXIS] + [str(a) for a in (Axis.PP, Axis.SP, Axis.TP) if dims.degree(a) > 1]
+        if self.pm.sync.hook.counts_inter_host:  # the same hook kind on every rank, so the same axes
+            axes.append(INTER_HOST_AXIS)  # part of dp: what of it crossed hosts
         sent = [float(self.train_traffic.get(axis, 0)) for axis in axes]
         totals = torch.tensor(sent, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)

@@ -7,6 +7,7 @@ the gradient-sync protocol (``distributed/sync.py``) and leaves measuring to ``m
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -16,10 +17,11 @@ from loomtrain.checkpoint import CheckpointManager, TrainState, read_manifest
 from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
-from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process, launch_env
+from loomtrain.distributed.parallel_dims import is_main_process, launch_env
 from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.preemption import Preemption
 from loomtrain.distributed.process_group import init_distributed, select_device
+from loomtrain.distributed.topology import discover_topology, placed_dims, placement_report, write_topology
 from loomtrain.generation import print_run_end
 from loomtrain.metrics import EventLog, SampleRecorder, TrainingMetrics, last_logged_step, record_resume, record_start
 from loomtrain.models import Transformer, count_params
@@ -27,6 +29,8 @@ from loomtrain.models.parallelize import parallelize_llama
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.preflight import check_once
 from loomtrain.run_dir import prepare_run_dir
+
+log = logging.getLogger(__name__)
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -73,7 +77,7 @@ def evaluate(pm: ParallelModel, data: Data, cfg: Config, device) -> float:
 class Trainer:
     """Builds a run from its config in the current process group, then trains it.
 
-    Set-up order: device and process group → mesh → checks (once, on rank 0) → run directory,
+    Set-up order: device and process group → topology and placed mesh → checks (once, on rank 0) → run directory,
     data and tokenizer → model, parallelism, optimizer, loader → resume → metrics.
     """
 
@@ -82,7 +86,8 @@ class Trainer:
         self.cfg, config_toml = cfg, cfg.to_toml()
         self.device = select_device(cfg)
         init_distributed(cfg, self.device)
-        self.dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), self.device.type)
+        self.topology = discover_topology(cfg.distributed.probe_topology, cfg.distributed.probe_budget_s)
+        self.dims = placed_dims(cfg.parallel, self.topology, self.device.type)
         self.resumed_from = check_once(cfg, self.dims.world_size)
         layout = {**self.dims.layout(), "zero_stage": cfg.data_parallel.zero_stage}
         ck = cfg.checkpoint
@@ -93,6 +98,12 @@ class Trainer:
         resolve_vocab(cfg, self.data.tokenizer.vocab_size)
         if is_main_process():
             prepare_run_dir(cfg, config_toml, self.data.tokenizer)
+            write_topology(cfg.run_dir, self.topology, self.dims)
+            log.info(
+                "%s\nplacement:\n%s",
+                self.topology.describe(),
+                placement_report(self.dims, self.topology, cfg.data_parallel.zero_stage > 0),
+            )
         dist.barrier()
         self._build_model()
         self._resume()
@@ -103,7 +114,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.model = Transformer(cfg.model).to(self.device)
         self.n_params = count_params(self.model)  # counted whole, before sharding
-        hook = build_comm_hook(cfg.compression, cfg.data_parallel.comm_hook)
+        hook = build_comm_hook(cfg.compression, cfg.data_parallel.comm_hook, self.topology)
         self.pm = parallelize_llama(self.model, self.dims, cfg, hook)
         self.sync = self.pm.sync
         self.optimizer = build_optimizer(self.model, t)
@@ -132,7 +143,8 @@ class Trainer:
 
     def _build_metrics(self) -> None:
         cfg = self.cfg
-        self.samples = SampleRecorder(cfg.run_dir, dist.get_rank(), self.step, cfg.metrics.record_samples)
+        self.samples = SampleRecorder(cfg.run_dir, dist.get_rank(), self.step, cfg.metrics.record_samples,
+                                      self.dims.world_size)  # fmt: skip
         self.preemption = Preemption()
         self.metrics = TrainingMetrics.for_run(cfg, self.pm, self.device, self.step)
         self.metrics.announce(cfg, self.n_params)

@@ -16,8 +16,10 @@ from loomtrain.compression.powersgd import PowerSGDHook
 from loomtrain.compression.quantize import CastHook, Int8Hook, SignHook
 from loomtrain.compression.topk import TopKHook
 from loomtrain.config import CompressionConfig
-from loomtrain.distributed.data_parallel import COMM_HOOKS, CommHook
+from loomtrain.distributed.collectives import AutoHook, HierarchicalHook
+from loomtrain.distributed.data_parallel import AllReduceHook, CommHook
 from loomtrain.distributed.mixed_precision import DTYPES
+from loomtrain.distributed.topology import Topology
 
 __all__ = [
     "CastHook",
@@ -32,11 +34,27 @@ __all__ = [
 ]
 
 
-def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce") -> CommHook:
-    """The communication hook for ``cfg``: ``COMM_HOOKS[comm_hook]`` (uncompressed) when
-    ``cfg.method`` is ``"none"``, else the compressor with ``cfg``'s parameters."""
+def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce", topology: Topology | None = None) -> CommHook:
+    """The communication hook for ``cfg`` and ``data_parallel.comm_hook``: the compressor with
+    ``cfg``'s parameters (``AllReduceHook`` when ``cfg.method`` is ``"none"``), used as is
+    (``"allreduce"``) or inside a :class:`HierarchicalHook` (``"hierarchical"``: it then
+    compresses only what crosses hosts) or an :class:`AutoHook` (``"auto"``), which read
+    ``topology``.
+
+    Raises:
+        ValueError: ``"hierarchical"`` or ``"auto"`` without a topology.
+    """
+    inner = _compressor(cfg)
+    if comm_hook == "allreduce":
+        return inner
+    if topology is None:
+        raise ValueError(f"data_parallel.comm_hook={comm_hook!r} needs the job's topology (discover_topology())")
+    return {"hierarchical": HierarchicalHook, "auto": AutoHook}[comm_hook](topology, inner)
+
+
+def _compressor(cfg: CompressionConfig) -> CommHook:
     factories = {
-        "none": lambda: COMM_HOOKS[comm_hook](),
+        "none": AllReduceHook,
         "fp16": lambda: CastHook(torch.float16),
         "bf16": lambda: CastHook(torch.bfloat16),
         "int8": lambda: Int8Hook(cfg.chunk_size, cfg.warmup_steps),

@@ -18,35 +18,14 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from loomtrain.distributed.data_parallel import CommHook, GradBucket
+from loomtrain.distributed.data_parallel import CommHook, GradBucket, Pending
 from loomtrain.distributed.traffic import all_reduce_bytes, reduce_scatter_bytes
 
 log = logging.getLogger(__name__)
-
-
-class Pending:
-    """A reduction in flight: ``wait()`` waits for the collective, then runs ``finish`` (the
-    decoding) on the caller's thread and returns its tensor. A callback chained on the
-    collective's future would run on the communication thread instead, contending for the
-    GIL with backward, and any collective it issued could interleave differently per rank."""
-
-    def __init__(self, work: dist.Work | None, finish: Callable[[], torch.Tensor]):
-        self.work = work
-        self.finish = finish
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.finish()
-
-    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
-        """The same reduction followed by ``fn`` applied to its result."""
-        return Pending(self.work, lambda: fn(self.finish()))
 
 
 class ErrorFeedback:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,26 @@ class GradBucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
+class Pending:
+    """A reduction in flight: ``wait()`` waits for the collective, then runs ``finish`` (the
+    decoding) on the caller's thread and returns its tensor. A callback chained on the
+    collective's future would run on the communication thread instead, contending for the
+    GIL with backward, and any collective it issued could interleave differently per rank."""
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], torch.Tensor]):
+        self.work = work
+        self.finish = finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+        """The same reduction followed by ``fn`` applied to its result."""
+        return Pending(self.work, lambda: fn(self.finish()))
+
+
 class CommHook(ABC):
     """Reduces one bucket's gradients across the data-parallel group.
 
@@ -93,6 +114,8 @@ class CommHook(ABC):
     """
 
     method = "none"
+    # Whether the hook counts the bytes that crossed hosts under traffic.INTER_HOST_AXIS.
+    counts_inter_host = False
 
     def __init__(self) -> None:
         self.traffic = Traffic()
@@ -112,6 +135,13 @@ class CommHook(ABC):
         carrying over what it counted so far."""
         traffic.bytes[GRADIENT_AXIS] += self.bytes_sent
         self.traffic = traffic
+
+    def setup(self, groups: list[list[int]]) -> None:
+        """Called collectively by every rank of the world, before the first reduction, with the
+        global ranks of every gradient group (every rank passes the same list). Hooks that need
+        subgroups create them here with ``dist.new_group``, in the same order on every rank
+        (see ``collectives.HierarchicalHook``). Nothing by default."""
+        del groups
 
     @abstractmethod
     def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> torch.futures.Future:
@@ -179,9 +209,6 @@ class AllReduceHook(CommHook):
         # The collective's own future (value: [buffer]); chaining a Python callback with
         # .then() would run it on the communication thread, contending for the GIL with backward.
         return self._dense_average(bucket.buffer, group, async_op=True).get_future()
-
-
-COMM_HOOKS: dict[str, type[CommHook]] = {"allreduce": AllReduceHook}
 
 
 def build_buckets(module: nn.Module, bucket_size_bytes: int) -> list[GradBucket]:

@@ -37,7 +37,7 @@ from functools import cached_property
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from loomtrain.config import ConfigError, ParallelConfig
@@ -56,6 +56,10 @@ class Axis(StrEnum):
 
 
 MESH_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP, Axis.TP)
+# The axes whose group ranks must equal the mesh coordinates: every mesh axis (rank(), DTensor)
+# and ZeRO's flattened shard axis (DTensor Shard(0)). dp_sp groups only reduce, in any order.
+ORDERED_AXES = (*MESH_AXES, Axis.DP_SHARD_SP)
+FLATTENED_AXES = {Axis.DP_SP: (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP), Axis.DP_SHARD_SP: (Axis.DP_SHARD, Axis.SP)}
 
 
 @dataclass(frozen=True)
@@ -111,11 +115,21 @@ def sharded_dtensor(
 @dataclass(frozen=True)
 class ParallelDims:
     """Parallel degrees for ``world_size`` processes: ``pp × dp × sp × tp == world_size`` with
-    ``dp = dp_replicate × dp_shard``.
+    ``dp = dp_replicate × dp_shard``, and where each rank sits in the mesh.
+
+    ``rank_order`` places the ranks: the mesh's rank array (:meth:`mesh_ranks`, shape
+    ``[pp, dp_replicate, dp_shard, sp, tp]``) is ``rank_order`` laid out row-major, so
+    consecutive entries become the innermost axes' groups. ``None`` is the identity order
+    ``0..world_size-1``; ``topology.place_ranks`` gives a host-major order that keeps tp (then
+    sp, then dp_shard) inside a host when the launcher numbered the ranks otherwise. Every
+    group of :data:`ORDERED_AXES` must list its ranks ascending: ``new_group`` sorts a group's
+    ranks, so a group rank (what ``rank()`` and the collectives use) equals the mesh coordinate
+    (what DTensor uses) only then.
 
     Raises:
-        ConfigError: a degree below 1, degrees that do not multiply to ``world_size``, or a
-            ``dp`` not divisible by ``dp_replicate``.
+        ConfigError: a degree below 1, degrees that do not multiply to ``world_size``, a ``dp``
+            not divisible by ``dp_replicate``, or a ``rank_order`` that is not a permutation of
+            ``0..world_size-1`` or puts a group of :data:`ORDERED_AXES` out of ascending order.
     """
 
     dp: int
@@ -125,6 +139,7 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     device_type: str = "cpu"
+    rank_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel_degree", self.dp), ("tensor_parallel_degree", self.tp),
@@ -143,13 +158,38 @@ class ParallelDims:
                 f"parallel.data_parallel_replicate_degree={self.dp_replicate} does not divide the data-parallel "
                 f"degree {self.dp}; choose a divisor of it (1 shards over all dp ranks)"
             )
+        if self.rank_order is not None:
+            self._check_rank_order()
+
+    def _check_rank_order(self) -> None:
+        order = tuple(int(r) for r in self.rank_order)
+        object.__setattr__(self, "rank_order", order)  # a list would make the frozen object unhashable
+        if sorted(order) != list(range(self.world_size)):
+            raise ConfigError(
+                f"rank_order={order} is not a permutation of the ranks 0..{self.world_size - 1} (each once); "
+                "pass topology.place_ranks(topology, dims), or None for the launcher's order"
+            )
+        for axis in ORDERED_AXES:
+            for group in self.axis_groups(axis):
+                if group != sorted(group):
+                    raise ConfigError(
+                        f"rank_order={order} puts the {axis} group {group} out of ascending order; torch numbers a "
+                        "group's ranks ascending (new_group sorts them), so group ranks would disagree with the "
+                        "mesh coordinates that DTensor uses; pass topology.place_ranks(topology, dims), which "
+                        "keeps every group ascending, or None"
+                    )
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int, device_type: str = "cpu") -> ParallelDims:
-        """Degrees from ``[parallel]``; ``data_parallel_degree=-1`` takes what pp, tp and sp leave.
+    def from_config(
+        cls, cfg: ParallelConfig, world_size: int, device_type: str = "cpu", rank_order: Sequence[int] | None = None
+    ) -> ParallelDims:
+        """Degrees from ``[parallel]``; ``data_parallel_degree=-1`` takes what pp, tp and sp leave;
+        ``rank_order`` as in the class (``topology.place_ranks(topology, dims)`` of the dims built
+        without one).
 
         Raises:
-            ConfigError: the world size is not divisible by ``pp × tp × sp``, or degrees mismatch.
+            ConfigError: the world size is not divisible by ``pp × tp × sp``, degrees mismatch, or
+                ``rank_order`` is refused (see the class).
         """
         tp, sp, pp = cfg.tensor_parallel_degree, cfg.sequence_parallel_degree, cfg.pipeline_parallel_degree
         dp = cfg.data_parallel_degree
@@ -162,7 +202,7 @@ class ParallelDims:
                 )
             dp = world_size // (pp * tp * sp)
         return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, pp=pp, dp_replicate=cfg.data_parallel_replicate_degree,
-                   device_type=device_type)  # fmt: skip
+                   device_type=device_type, rank_order=None if rank_order is None else tuple(rank_order))  # fmt: skip
 
     @property
     def dp_shard(self) -> int:
@@ -187,12 +227,27 @@ class ParallelDims:
             dp += f" ({self.dp_replicate} replicas × {self.dp_shard})"
         return f"pp {self.pp}, {dp}, sp {self.sp}, tp {self.tp}"
 
+    def mesh_ranks(self) -> torch.Tensor:
+        """The global rank at each mesh coordinate: an int64 tensor of shape ``[pp, dp_replicate,
+        dp_shard, sp, tp]`` holding ``rank_order`` (or ``0..world_size-1``) row-major. Needs
+        no process group."""
+        order = range(self.world_size) if self.rank_order is None else self.rank_order
+        return torch.tensor(list(order), dtype=torch.int64).view(tuple(self.degree(axis) for axis in MESH_AXES))
+
+    def axis_groups(self, axis: Axis) -> list[list[int]]:
+        """The rank groups along ``axis`` (a mesh axis or a flattened one), each in the axis's
+        coordinate order, from :meth:`mesh_ranks` (no process group needed): the ranks that
+        ``group(axis)`` connects, for every position of the other axes."""
+        inner = [MESH_AXES.index(a) for a in FLATTENED_AXES.get(axis, (axis,))]
+        outer = [d for d in range(len(MESH_AXES)) if d not in inner]
+        return self.mesh_ranks().permute(*outer, *inner).reshape(-1, self.degree(axis)).tolist()
+
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The DeviceMesh with the named axes :data:`MESH_AXES`; built on first use (needs an
-        initialised process group). Axes of size 1 are kept, so code never branches on them."""
-        shape = tuple(self.degree(axis) for axis in MESH_AXES)
-        return init_device_mesh(self.device_type, shape, mesh_dim_names=tuple(str(a) for a in MESH_AXES))
+        """The DeviceMesh with the named axes :data:`MESH_AXES` over :meth:`mesh_ranks`; built on
+        first use (needs an initialised process group). Axes of size 1 are kept, so code never
+        branches on them."""
+        return DeviceMesh(self.device_type, self.mesh_ranks(), mesh_dim_names=tuple(str(a) for a in MESH_AXES))
 
     def _mesh_of(self, axis: Axis) -> DeviceMesh:
         # A flattened axis exists only once its mesh has been built.
@@ -240,9 +295,8 @@ class ParallelDims:
         coordinates): ``"activation"`` (the mesh's ``pp`` group) and ``"gradient"`` (a second
         group over the same ranks), so forward and backward transfers never share a channel;
         see ``pipeline/p2p.py``. Collective: every rank must call it."""
-        lines = self.mesh.mesh.movedim(0, -1).reshape(-1, self.pp).tolist()
         mine = None
-        for ranks in lines:
+        for ranks in self.axis_groups(Axis.PP):
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 mine = group

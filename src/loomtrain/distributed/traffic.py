@@ -19,6 +19,9 @@ from collections import defaultdict
 
 # Gradient reduction over the data-parallel ranks (with sp) is counted under this name.
 GRADIENT_AXIS = "dp"
+# The part of GRADIENT_AXIS's bytes that crossed hosts (hierarchical and auto comm hooks): a
+# sub-count of "dp", not more bytes, so it must not be added to the other axes.
+INTER_HOST_AXIS = "dp_inter_host"
 
 
 def all_reduce_bytes(nbytes: int, n: int) -> int:

@@ -92,6 +92,9 @@ def apply_gradient_sync(model: Transformer, dims: ParallelDims, cfg: Config, hoo
     ZeRO's units are the transformer blocks."""
     dp = cfg.data_parallel
     pp_group = dims.group_or_none(Axis.PP)
+    # Every rank creates the subgroups of every gradient group (hierarchical hooks need them).
+    shard_groups = dims.axis_groups(Axis.DP_SHARD_SP) if dims.dp_replicate > 1 else []
+    hook.setup(dims.axis_groups(Axis.DP_SP) + shard_groups)
     if dp.zero_stage == 0:
         return apply_data_parallel(model, dims.grad_mesh.get_group(), dp.bucket_size_mb, hook,
                                    tp_sharded=frozenset(tp_shards), tp_group=dims.group_or_none(Axis.TP),
