@@ -12,17 +12,18 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import traceback
 import zlib
 from pathlib import Path
 
 import pytest
 
+from loomtrain.cluster.cli import cmd_cluster
 from loomtrain.cluster.emulated import (
     ClusterError,
     ClusterSpec,
@@ -31,6 +32,7 @@ from loomtrain.cluster.emulated import (
     emulated_cluster,
     missing_requirements,
 )
+from loomtrain.config import ConfigError
 
 pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))
 
@@ -175,14 +177,49 @@ def test_failing_body_and_crashed_up_are_cleaned(name, tmp_path):
     assert_gone(name, before, set(), tmp_path)
 
 
-def cli(tmp_path: Path, *args: str, user: list[str] | None = None) -> subprocess.CompletedProcess:
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """``loomtrain cluster ARGS`` as ``loomtrain.cli.main`` runs it (``error: ...``, exit 2)."""
     code = ("import sys; from loomtrain.config import ConfigError; from loomtrain.cluster.cli import cmd_cluster\n"
             "try: sys.exit(cmd_cluster(sys.argv[1:]))\n"
             "except ConfigError as e: print(f'error: {e}', file=sys.stderr); sys.exit(2)")  # fmt: skip
     env = {**os.environ, "LOOMTRAIN_CLUSTER_DIR": str(tmp_path)}
-    argv = [*(user or []), sys.executable, "-c", code, *args]
+    argv = [sys.executable, "-c", code, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd="/")
+
+
+def cli_as_nobody(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``cli`` in a forked child that drops to uid and gid 65534 after loomtrain is imported
+    here, so the check does not depend on whether that user may read the checkout (CI clones
+    into a directory only root can enter)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        os.dup2(write_fd, 2)
+        sys.stderr = open(2, "w", closefd=False)  # pytest's capture object replaced it
+        os._exit(_run_unprivileged(tmp_path, list(args)))
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    return subprocess.CompletedProcess(list(args), os.waitstatus_to_exitcode(status), "", err)
+
+
+def _run_unprivileged(tmp_path: Path, args: list[str]) -> int:
+    try:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        os.environ["LOOMTRAIN_CLUSTER_DIR"] = str(tmp_path)
+        code = cmd_cluster(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    return code
 
 
 def assert_one_error_line(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -207,10 +244,8 @@ def test_refusals_create_nothing(name, tmp_path):
     assert cli(tmp_path, "down", "--name", name).returncode == 0
     assert_one_error_line(cli(tmp_path, "status", "--name", name), f"no cluster named '{name}' is up")
 
-    if shutil.which("setpriv"):
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        r = cli(tmp_path, "up", "--hosts", "2", "--procs-per-host", "1", "--name", name, user=nobody)
-        assert_one_error_line(r, "needs root")
+    assert_one_error_line(cli_as_nobody(tmp_path, "up", "--hosts", "2", "--procs-per-host", "1", "--name", name),
+                          "needs root")  # fmt: skip
 
     try:
         c = cluster_up(ClusterSpec(1, 1, inter_delay="2ms", name=name), tmp_path)

@@ -368,6 +368,11 @@ class Cluster:
         Connections survive a short cut (TCP retransmits once the link is back).
         """
         _run(["ip", "-n", self.switch_ns, "link", "set", self.port(host), "up" if up else "down"])
+        if up:
+            # Address resolution that failed during the cut would refuse connections ("no route
+            # to host") for a while after it; a repaired link resolves afresh.
+            for i in range(self.spec.hosts):
+                _run(["ip", "-n", self.netns(i), "neigh", "flush", "all"])
 
     def to_json(self, status: str) -> dict:
         """The state file's content; ``status`` is ``starting`` or ``up``."""
