@@ -41,7 +41,7 @@ MiB = 2**20
 # the result's min and max. With a 7th argument it then waits for a line on stdin and tries a
 # second all-reduce, printing how that ended.
 ALLREDUCE = textwrap.dedent("""
-    import sys, time, torch, torch.distributed as dist
+    import os, sys, time, torch, torch.distributed as dist
     from datetime import timedelta
     rank, world, master, numel = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     timeout_s = float(sys.argv[5])
@@ -59,6 +59,9 @@ ALLREDUCE = textwrap.dedent("""
             print("second ok", flush=True)
         except Exception as e:
             print(f"second failed after {time.monotonic() - start:.1f} s: {e}", flush=True)
+            # torch's gloo teardown after a timed-out collective can abort the process
+            # ("terminate called without an active exception"); the outcome is already printed.
+            os._exit(0)
 """)
 ECHO_SERVER = "import socket; s = socket.create_server(('', 29600)); print('listening', flush=True); c, _ = s.accept(); c.sendall(c.recv(5))"  # noqa: E501
 ECHO_CLIENT = "import socket, sys; c = socket.create_connection((sys.argv[1], 29600), timeout=5); c.sendall(b'hello'); print(c.recv(5).decode())"  # noqa: E501
@@ -315,8 +318,8 @@ def test_cut_link_times_out_and_restores(name, tmp_path):
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        out0 = finish(procs)[0]
-        assert time.monotonic() - start < 30 and "second failed" in out0, out0
+        out0, out1 = finish(procs)
+        assert time.monotonic() - start < 30 and "second failed" in out0 and "second failed" in out1, (out0, out1)
         assert "Timed out" in out0 and "reset" not in out0.lower(), out0
         c.set_link(1, True)
         server = c.popen(0, [sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
