@@ -49,11 +49,14 @@ class TrainState:
     (``GradientSync.state_dict()``): its ``"shared"`` part (JSON-able, the same on every rank,
     e.g. the fp16 loss scaler) is saved with the step, its ``"per_rank"`` part (tensors
     allowed, e.g. a communication hook's error-feedback residuals) beside the RNG in
-    ``rank_XXXXX.pt`` and given back only at the same world size and layout (else empty)."""
+    ``rank_XXXXX.pt`` and given back only at the same world size and layout (else empty).
+    ``balance``: the load balancers' state (JSON-able, the same on every rank), kept in the
+    manifest so a resumed run can read its pipeline split before building the model."""
 
     step: int
     loader: dict[str, Any]
     sync: dict[str, dict[str, Any]] = field(default_factory=lambda: {"shared": {}, "per_rank": {}})
+    balance: dict[str, Any] = field(default_factory=dict)
 
 
 def _sha256(path: Path) -> str:
@@ -198,11 +201,11 @@ class CheckpointManager:
         torch.save({"rng": _rng_state(), "rank_state": state.sync["per_rank"]}, tmp / _rank_file())
         if self._async_group is None:
             dcp.save(app, checkpoint_id=tmp)
-            self._pending = (None, tmp, final, step)
+            self._pending = (None, tmp, final, step, state.balance)
             self.finalize()
         else:
             future = dcp.async_save(app, checkpoint_id=tmp, process_group=self._async_group)
-            self._pending = (future, tmp, final, step)
+            self._pending = (future, tmp, final, step, state.balance)
         return final
 
     def finalize(self) -> None:
@@ -210,21 +213,22 @@ class CheckpointManager:
         rank is done) rank 0 writes the manifest, renames the directory and prunes old ones."""
         if self._pending is None:
             return
-        future, tmp, final, step = self._pending
+        future, tmp, final, step, balance = self._pending
         self._pending = None
         if future is not None:
             future.result()
         dist.barrier()
         if is_main_process():
-            self._seal(tmp, final, step, dist.get_world_size())
+            self._seal(tmp, final, step, dist.get_world_size(), balance)
             self._prune()
         dist.barrier()
 
-    def _seal(self, tmp: Path, final: Path, step: int, world_size: int) -> None:
+    def _seal(self, tmp: Path, final: Path, step: int, world_size: int, balance: dict[str, Any]) -> None:
         files = {
             f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir()) if f.is_file()
         }
-        manifest = {"step": step, "world_size": world_size, "layout": self.layout, "time": time.time(), "files": files}
+        manifest = {"step": step, "world_size": world_size, "layout": self.layout, "time": time.time(), "files": files,
+                    "balance": balance}  # fmt: skip
         with (tmp / MANIFEST).open("w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -251,7 +255,8 @@ class CheckpointManager:
         world size and layout (else a warning). ``sharding``: as for :meth:`save`."""
         train = json.loads(_load_states(path, model, optimizer, sharding))
         sync = {"shared": train.get("extra", {}), "per_rank": self._load_rank_state(path)}
-        return TrainState(step=int(train["step"]), loader=train["loader"], sync=sync)
+        balance = read_manifest(path).get("balance", {})
+        return TrainState(step=int(train["step"]), loader=train["loader"], sync=sync, balance=balance)
 
     def _load_rank_state(self, path: Path) -> dict[str, Any]:
         """This rank's RNG (restored here) and ``rank_state``, if the checkpoint was written at

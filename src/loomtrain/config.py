@@ -49,6 +49,13 @@ class RunConfig(_Section):
             "`auto`: this process's CUDA device when one is visible, else the CPU; `cuda` fails without a GPU."
         ),
     )
+    rank_devices: list[Literal["cpu", "cuda"]] = Field(
+        default_factory=list,
+        description=(
+            "Mixed devices in one job: the device type of each rank (one entry per rank, overrides `device`); "
+            "collectives then go through gloo, which stages CUDA tensors through host memory."
+        ),
+    )
     overwrite: bool = Field(
         False,
         description=(
@@ -551,6 +558,51 @@ class DistributedConfig(_Section):
     probe_budget_s: float = Field(3.0, gt=0, description="Seconds the start-up link probe may take in all.")
 
 
+class BalanceConfig(_Section):
+    """Load balancing for devices of unequal speed (docs/load_balancing.md).
+
+    ``data``: each data-parallel rank gets samples per step in proportion to its measured speed
+    (samples per second of compute, smoothed), the global batch unchanged; every rank keeps
+    the same number of micro-batches (their sizes differ), so collectives stay matched, and
+    the gradient is averaged weighted by samples, so the update is a uniform split's.
+    ``samples_per_rank`` fixes the split by hand instead. ``pipeline``: stage boundaries follow
+    the pipeline ranks' measured speeds (layers move at a step boundary through an in-memory
+    reload). Every ``interval`` steps the ranks share their measurements; a new split is taken
+    only when it is predicted at least ``threshold`` faster (hysteresis).
+    """
+
+    data: bool = Field(False, description="Split each step's samples over dp ranks by their measured speed.")
+    pipeline: bool = Field(False, description="Move pipeline stage boundaries to follow the ranks' measured speed.")
+    samples_per_rank: list[int] = Field(
+        default_factory=list,
+        description="A fixed split: samples per step of each dp rank (sums to training.global_batch_size).",
+    )
+    interval: int = Field(10, ge=1, description="Steps between sharing speed measurements and deciding.")
+    threshold: float = Field(
+        0.05, gt=0, lt=1, description="Relative predicted step-time gain a new split must bring to be applied."
+    )
+    smoothing: float = Field(
+        0.5, gt=0, le=1, description="Weight of the newest measurement in the exponential moving average."
+    )
+    max_micro_batch_size: int = Field(
+        0, ge=0, description="Largest micro-batch a rank may get (its memory limit); 0: no limit."
+    )
+
+
+class SimulateConfig(_Section):
+    """Emulated heterogeneity on one machine (needs root): each rank's process is throttled
+    to ``rank_speed[rank]`` of a CPU core by the cgroup CPU controller and pinned to a core
+    (``cluster/throttle.py``). ``speed_change`` entries ``"step:rank:speed"`` change a rank's
+    throttle before that step (a device that slows down)."""
+
+    rank_speed: list[float] = Field(
+        default_factory=list, description="Fraction of a core for each rank (one per rank); empty: no throttling."
+    )
+    speed_change: list[str] = Field(
+        default_factory=list, description='Throttle changes during the run, each "step:rank:speed".'
+    )
+
+
 class MetricsConfig(_Section):
     """``record_samples`` writes each rank's sample ids per step to ``<run>/samples/``."""
 
@@ -586,6 +638,8 @@ class Config(_Section):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    simulate: SimulateConfig = Field(default_factory=SimulateConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
 
@@ -665,6 +719,27 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _balance_fits(self) -> Config:
+        b, pp = self.balance, self.parallel.pipeline_parallel_degree
+        if b.data and b.samples_per_rank:
+            raise ValueError(
+                "balance.data=true and balance.samples_per_rank both choose the split; set only one of them"
+            )
+        if (b.data or b.samples_per_rank) and pp > 1:
+            raise ValueError(
+                "balance.data / balance.samples_per_rank need parallel.pipeline_parallel_degree=1 (a pipeline's "
+                "stages exchange one fixed micro-batch shape); use balance.pipeline=true to balance the stages"
+            )
+        if b.pipeline and pp == 1:
+            raise ValueError("balance.pipeline=true needs parallel.pipeline_parallel_degree > 1; set it or drop it")
+        if b.pipeline and self.parallel.pipeline_split == "time":
+            raise ValueError(
+                "balance.pipeline=true chooses the stage boundaries from measured speed itself; leave "
+                "parallel.pipeline_split='layers' (the starting split)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _stages_fit(self) -> Config:
         """The pipeline's stages: enough layers, a schedule that fits ``virtual_stages``,
         explicit boundaries that split the layers, no embedding tied across stages."""
@@ -730,6 +805,32 @@ class Config(_Section):
                 f"parallel.pipeline_schedule='interleaved_1f1b' needs the micro-batches per step ({m} = "
                 f"training.global_batch_size / (dp {dp} × training.micro_batch_size)) to be a multiple of "
                 f"parallel.pipeline_parallel_degree={p.pipeline_parallel_degree}; change the batch sizes"
+            )
+
+    def validate_balance(self, dp: int) -> None:
+        """Check ``balance.samples_per_rank`` and the micro-batch limit for ``dp`` data-parallel ranks.
+
+        Raises:
+            ConfigError: a fixed split with the wrong length or sum, a rank with fewer samples
+                than micro-batches per step, or a micro-batch limit the global batch cannot fit.
+        """
+        b, batch, accum = self.balance, self.training.global_batch_size, self.grad_accum_steps(dp)
+        cap = b.max_micro_batch_size * accum
+        split = b.samples_per_rank
+        if split and (len(split) != dp or sum(split) != batch):
+            raise ConfigError(
+                f"balance.samples_per_rank={split} must have one entry per dp rank ({dp}) summing to "
+                f"training.global_batch_size={batch}"
+            )
+        if split and (min(split) < accum or (cap and max(split) > cap)):
+            raise ConfigError(
+                f"balance.samples_per_rank={split}: each rank runs {accum} micro-batch(es) per step, so it needs "
+                f"at least {accum} sample(s){f' and at most {cap} (balance.max_micro_batch_size)' if cap else ''}"
+            )
+        if cap and cap * dp < batch:
+            raise ConfigError(
+                f"balance.max_micro_batch_size={b.max_micro_batch_size} lets {dp} dp ranks × {accum} micro-batches "
+                f"hold {cap * dp} samples, fewer than training.global_batch_size={batch}; raise it"
             )
 
     def grad_accum_steps(self, dp: int) -> int:

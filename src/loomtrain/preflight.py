@@ -12,6 +12,7 @@ only read.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from loomtrain.checkpoint import find_latest_checkpoint, verify_checkpoint
+from loomtrain.cluster.throttle import CORE_CAP, parse_speed_changes, plan_cores, throttle_requirements
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import check_data_files
 from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
@@ -39,6 +41,7 @@ def check_launch(cfg: Config, world_size: int, hashes: bool = False) -> Path | N
     check_world(cfg, world_size)
     if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("distributed.backend='nccl' needs CUDA GPUs; none is visible here, use 'gloo' or 'auto'")
+    check_rank_devices(cfg, world_size)
     check_data_files(cfg.data)
     return check_run_dir(cfg, hashes)
 
@@ -77,7 +80,65 @@ def check_world(cfg: Config, world_size: int) -> None:
     """
     if world_size < 1:
         raise ConfigError(f"--nproc={world_size} must be at least 1")
-    cfg.validate_batch(ParallelDims.from_config(cfg.parallel, world_size).dp)
+    dp = ParallelDims.from_config(cfg.parallel, world_size).dp
+    cfg.validate_batch(dp)
+    cfg.validate_balance(dp)
+    check_simulation(cfg, world_size)
+
+
+def check_rank_devices(cfg: Config, world_size: int) -> None:
+    """``run.rank_devices`` has one entry per rank, its CUDA ranks have a GPU, and a mixed job
+    does not ask for NCCL.
+
+    Raises:
+        ConfigError: the wrong number of entries, CUDA without a GPU, or NCCL with CPU ranks.
+    """
+    devices = cfg.run.rank_devices
+    if not devices:
+        return
+    if len(devices) != world_size:
+        raise ConfigError(f"run.rank_devices has {len(devices)} entries for {world_size} ranks; give one per rank")
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise ConfigError("run.rank_devices names 'cuda' but no CUDA device is visible; use 'cpu' for those ranks")
+    if "cpu" in devices and cfg.distributed.backend == "nccl":
+        raise ConfigError("run.rank_devices has CPU ranks, which NCCL cannot join; use distributed.backend='gloo'")
+
+
+def check_simulation(cfg: Config, world_size: int) -> None:
+    """``simulate.rank_speed`` and ``simulate.speed_change`` fit ``world_size`` ranks and this machine.
+
+    Raises:
+        ConfigError: a speed list of the wrong length, speeds that cannot be packed onto this
+            machine's cores, malformed or out-of-range speed changes, or no root / CPU controller.
+    """
+    sim = cfg.simulate
+    if not sim.rank_speed:
+        if sim.speed_change:
+            raise ConfigError("simulate.speed_change needs simulate.rank_speed (one speed per rank); set both")
+        return
+    if len(sim.rank_speed) != world_size:
+        raise ConfigError(
+            f"simulate.rank_speed has {len(sim.rank_speed)} entries for {world_size} ranks; give one per rank"
+        )
+    try:
+        cores = plan_cores(sim.rank_speed, len(os.sched_getaffinity(0)))
+        changes = parse_speed_changes(sim.speed_change)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    speeds = list(sim.rank_speed)
+    for change in sorted(changes, key=lambda c: c.step):
+        if change.rank >= world_size:
+            raise ConfigError(f"simulate.speed_change names rank {change.rank}; ranks are 0..{world_size - 1}")
+        speeds[change.rank] = change.speed
+        load = sum(s for s, core in zip(speeds, cores, strict=True) if core == cores[change.rank])
+        if load > CORE_CAP:
+            raise ConfigError(
+                f"simulate.speed_change {change.step}:{change.rank}:{change.speed} puts {load:.2f} of a core on core "
+                f"{cores[change.rank]} (at most {CORE_CAP}); lower the speed"
+            )
+    reason = throttle_requirements()
+    if reason:
+        raise ConfigError(reason)
 
 
 def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:

@@ -7,16 +7,22 @@ the gradient-sync protocol (``distributed/sync.py``) and leaves measuring to ``m
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from loomtrain.checkpoint import CheckpointManager, TrainState, read_manifest
+from loomtrain.cluster.throttle import CpuThrottle, parse_speed_changes, plan_cores
 from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
+from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
 from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.preemption import Preemption
@@ -38,28 +44,35 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.dtype == "bf16")
 
 
-def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device) -> float:
+def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device,
+               monitor: SpeedMonitor | None = None) -> float:  # fmt: skip
     """One optimizer step over this rank's micro-batches; returns the mean loss (nats).
 
     Forward and backward go through ``pm`` (only the last backward of each stage
     communicates), scaled by the synchronizer's loss scale; then the averaged gradient is
     unscaled, checked and clipped by its global norm, and applied unless it overflowed.
+    ``monitor`` (load balancing) times the compute and the gradient synchronisation.
     """
     sync = pm.sync
-    loss = pm.forward_backward(micro_batches, sync.loss_scale, lambda: autocast(cfg, device), device)
-    sync.finish_gradient_sync()
-    if sync.prepare_step(cfg.training.grad_clip):
+    samples = sum(x.shape[0] for x, _ in micro_batches)
+    with monitor.compute(samples, lambda: sync.blocked_s) if monitor else contextlib.nullcontext():
+        loss = pm.forward_backward(micro_batches, sync.loss_scale, lambda: autocast(cfg, device), device)
+    with monitor.waiting() if monitor else contextlib.nullcontext():
+        sync.finish_gradient_sync()
+        ready = sync.prepare_step(cfg.training.grad_clip)
+    if ready:
         optimizer.step()
         sync.after_step()
     sync.zero_grad()
     return loss
 
 
-def mean_over_ranks(value: float, device: torch.device, group=None) -> float:
-    """The mean of ``value`` over ``group`` (a collective)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def mean_over_ranks(value: float, device: torch.device, group=None, weight: float = 1.0) -> float:
+    """The mean of ``value`` over ``group`` weighted by ``weight`` (e.g. this rank's samples):
+    ``Σ weight·value / Σ weight`` (a collective)."""
+    t = torch.tensor([value * weight, weight], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
-    return t.item() / dist.get_world_size(group)
+    return (t[0] / t[1]).item()
 
 
 @torch.no_grad()
@@ -89,6 +102,7 @@ class Trainer:
         self.topology = discover_topology(cfg.distributed.probe_topology, cfg.distributed.probe_budget_s)
         self.dims = placed_dims(cfg.parallel, self.topology, self.device.type)
         self.resumed_from = check_once(cfg, self.dims.world_size)
+        self.throttle = start_throttle(cfg, dist.get_rank())
         layout = {**self.dims.layout(), "zero_stage": cfg.data_parallel.zero_stage}
         ck = cfg.checkpoint
         self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", ck.keep_last, ck.async_save, layout)
@@ -105,7 +119,9 @@ class Trainer:
                 placement_report(self.dims, self.topology, cfg.data_parallel.zero_stage > 0),
             )
         dist.barrier()
+        self._adopt_saved_stages()
         self._build_model()
+        self.stage_balancer = self._stage_balancer()
         self._resume()
         self._build_metrics()
 
@@ -123,6 +139,28 @@ class Trainer:
             self.data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, self.dims.dp_rank, self.dims.dp,
             cfg.run.seed,
         )  # fmt: skip
+        self.balancer, self.monitor = None, SpeedMonitor(cfg.balance.smoothing, self.device)
+        b = cfg.balance
+        if b.data or b.samples_per_rank:
+            self.balancer = DataBalancer(t.global_batch_size, self.dims.dp, cfg.grad_accum_steps(self.dims.dp),
+                                         b.max_micro_batch_size, b.threshold, b.samples_per_rank)  # fmt: skip
+
+    def _adopt_saved_stages(self) -> None:
+        """A resumed pipeline-balanced run starts on the split its checkpoint was saved with."""
+        if self.resumed_from is None or not self.cfg.balance.pipeline:
+            return
+        saved = read_manifest(self.resumed_from).get("balance", {}).get("pipeline", {}).get("boundaries")
+        if saved and len(saved) == self.cfg.parallel.n_stages - 1:
+            self.cfg.parallel.stage_boundaries = saved
+
+    def _stage_balancer(self) -> PipelineBalancer | None:
+        cfg, b = self.cfg, self.cfg.balance
+        if not b.pipeline:
+            return None
+        p = cfg.parallel
+        return PipelineBalancer(cfg.model.n_layers, p.pipeline_parallel_degree, p.virtual_stages,
+                                cfg.grad_accum_steps(self.dims.dp), p.stage_boundaries, b.threshold,
+                                b.smoothing)  # fmt: skip
 
     def _resume(self) -> None:
         """Load the chosen checkpoint (if any) and record what happened in the event log."""
@@ -139,6 +177,9 @@ class Trainer:
         self.step = self.start_step = state.step
         self.loader.load_state_dict(state.loader)
         self.sync.load_state_dict(state.sync)
+        if self.balancer is not None:
+            self.balancer.load_state_dict(state.balance.get("data", {}))
+            self.events("balance_restored", step=state.step, split=self.balancer.split)
         record_resume(self.events, self.resumed_from, state.step, manifest["world_size"], self.dims.world_size, reached)
 
     def _build_metrics(self) -> None:
@@ -146,6 +187,8 @@ class Trainer:
         self.samples = SampleRecorder(cfg.run_dir, dist.get_rank(), self.step, cfg.metrics.record_samples,
                                       self.dims.world_size)  # fmt: skip
         self.preemption = Preemption()
+        if self.balancer is not None:
+            self.sync.set_rank_weight(self.balancer.split[self.dims.dp_rank])
         self.metrics = TrainingMetrics.for_run(cfg, self.pm, self.device, self.step)
         self.metrics.announce(cfg, self.n_params)
 
@@ -154,11 +197,20 @@ class Trainer:
         t, ck = self.cfg.training, self.cfg.checkpoint
         loss, val_loss = float("nan"), None
         while self.step < t.steps:
+            self._change_speed()
             set_lr(self.optimizer, lr_at(self.step, t))
-            micro_batches = self.loader.next_step()
+            micro_batches = self.loader.next_step(self.balancer.split if self.balancer else None)
+            # The loss is averaged weighted by the samples of the step that made it (a rebalance
+            # after the step must not reweigh it).
+            self.step_samples = sum(x.shape[0] for x, _ in micro_batches)
+            # The first step after a start builds lazily and would skew the measured speed.
+            measured = self.step > self.start_step
             with self.metrics.timed_step():
-                loss = train_step(self.pm, self.optimizer, micro_batches, self.cfg, self.device)
+                loss = train_step(self.pm, self.optimizer, micro_batches, self.cfg, self.device,
+                                  self.monitor if measured and self.balancer else None)  # fmt: skip
             self.step += 1
+            if measured:
+                self._balance()
             eval_now = self.step % t.eval_interval == 0 or self.step == t.steps
             if eval_now or self.step % t.log_interval == 0 or self.step == 1:
                 loss, val_loss = self._log_step(loss, eval_now, val_loss)
@@ -172,9 +224,59 @@ class Trainer:
             val_loss = evaluate(self.pm, self.data, self.cfg, self.device)
         return self._finish(loss, val_loss)
 
-    def _save(self) -> None:
-        state = TrainState(self.step, self.loader.state_dict(), self.sync.state_dict())
-        self.ckpt.save(self.step, self.model, self.optimizer, state, self.pm)
+    def _change_speed(self) -> None:
+        """Apply this rank's ``simulate.speed_change`` entries due before the coming step."""
+        if self.throttle is None:
+            return
+        for change in parse_speed_changes(self.cfg.simulate.speed_change):
+            if change.step == self.step + 1 and change.rank == dist.get_rank():
+                self.throttle.set_speed(change.speed)
+
+    def _balance(self) -> None:
+        """Every ``balance.interval`` steps, let the balancers share their measurements and decide."""
+        if self.stage_balancer is not None:
+            self.stage_balancer.record(self.pm.pipeline.last_record)
+        if self.step % self.cfg.balance.interval:
+            return
+        if self.balancer is not None:
+            self._rebalance_data()
+        if self.stage_balancer is not None:
+            self._rebalance_stages()
+
+    def _rebalance_stages(self) -> None:
+        """Move layers between pipeline ranks when the measured speeds predict a faster split:
+        checkpoint this step, rebuild the model on the new split and load the checkpoint into it
+        (weights and optimizer state follow their layers by name)."""
+        decision = self.stage_balancer.decide(self.step, self.stage_balancer.gather(self.device))
+        if decision is None:
+            return
+        self.events("pipeline_rebalance", **rebalance_event(decision))
+        path, loader = self._save(), self.loader.state_dict()
+        self.ckpt.finalize()
+        self.cfg.parallel.stage_boundaries = self.stage_balancer.boundaries
+        self._build_model()
+        state = self.ckpt.load(path, self.model, self.optimizer, self.pm)
+        self.loader.load_state_dict(loader)
+        self.sync.load_state_dict(state.sync)
+        self.metrics.pm = self.pm
+
+    def _rebalance_data(self) -> None:
+        """Share the measured speeds; take a new split if it is predicted faster enough (on every
+        rank alike: all decide from the same gathered figures)."""
+        measures = self.monitor.gather(self.dims.dp_rank, self.dims.dp)
+        decision = self.balancer.decide(self.step, measures)
+        if decision is not None:
+            self.sync.set_rank_weight(self.balancer.split[self.dims.dp_rank])
+            self.events("rebalance", **rebalance_event(decision))
+        if is_main_process():
+            record_balance(self.cfg.run_dir, self.step, self.balancer.split, measures, self.cfg.training.seq_len)
+
+    def _save(self) -> Path:
+        balance = {"data": self.balancer.state_dict()} if self.balancer else {}
+        if self.stage_balancer is not None:
+            balance["pipeline"] = self.stage_balancer.state_dict()
+        state = TrainState(self.step, self.loader.state_dict(), self.sync.state_dict(), balance)
+        return self.ckpt.save(self.step, self.model, self.optimizer, state, self.pm)
 
     def _stop_for_preemption(self) -> dict:
         """All ranks agreed a SIGTERM arrived: checkpoint this step (unless just done), stop."""
@@ -190,7 +292,8 @@ class Trainer:
         self.samples.close()
 
     def _log_step(self, local_loss: float, eval_now: bool, val_loss: float | None) -> tuple[float, float | None]:
-        loss = mean_over_ranks(local_loss, self.device, self.dims.grad_mesh.get_group())
+        weight = self.step_samples if self.balancer else 1.0
+        loss = mean_over_ranks(local_loss, self.device, self.dims.grad_mesh.get_group(), weight)
         record = self.metrics.step_record(loss, lr_at(self.step - 1, self.cfg.training))
         if eval_now:
             val_loss = record["val_loss"] = evaluate(self.pm, self.data, self.cfg, self.device)
@@ -211,6 +314,32 @@ class Trainer:
             self.metrics.write(self.cfg.run_dir, summary, self.step)
             print_run_end(self.cfg, full_model, self.data.tokenizer, summary)
         return summary
+
+
+def start_throttle(cfg: Config, rank: int) -> CpuThrottle | None:
+    """Throttle and pin this rank's process as ``simulate.rank_speed`` says (None: not asked)."""
+    speeds = cfg.simulate.rank_speed
+    if not speeds:
+        return None
+    # Core k of the plan is the k-th CPU this process may run on (an affinity mask may hide some).
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = plan_cores(speeds, len(cpus))
+    return CpuThrottle(os.getpid(), speeds[rank], cpus[cores[rank]], tag=f"{cfg.run.name}-r{rank}")
+
+
+def record_balance(run_dir, step: int, split: list[int], measures, seq_len: int) -> None:
+    """Append one balance check to ``<run>/balance.jsonl``: per dp rank its samples, compute
+    seconds per sample, compute speed (tokens/s), gradient-sync wait (s) and memory headroom (bytes)."""
+    record = {
+        "step": step,
+        "samples": split,
+        "seconds_per_sample": [m.seconds_per_sample for m in measures],
+        "tokens_per_s": [seq_len / m.seconds_per_sample for m in measures],
+        "wait_s": [m.wait_s for m in measures],
+        "headroom_bytes": [m.headroom_bytes for m in measures],
+    }
+    with (run_dir / "balance.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def train(cfg: Config) -> dict:

@@ -114,22 +114,52 @@ class DistributedBatchLoader:
             windows[mask] = self._permutation(epoch)[samples[mask] % self.n_windows]
         return windows
 
-    def next_step(self) -> list[Batch]:
+    def next_step(self, split: list[int] | None = None) -> list[Batch]:
         """This rank's ``accum_steps`` micro-batches for one optimizer step.
 
+        ``split``: samples of each dp rank this step (a load balancer's; sums to the global
+        batch). Rank ``r`` then takes batch positions ``[Σ_{q<r} split[q], Σ_{q<=r} split[q])``
+        in ``accum_steps`` micro-batches whose sizes differ by at most one, so every rank runs
+        the same number of forward and backward passes. ``None``: the uniform interleaved layout.
+
         Returns:
-            list of (x, y), each int64 ``[micro_batch_size, seq_len]``; y[i, j] is the token after x[i, j].
+            list of (x, y), each int64 ``[b, seq_len]`` (``b = micro_batch_size`` without a split);
+            y[i, j] is the token after x[i, j].
+
+        Raises:
+            ValueError: a split that does not sum to the global batch or gives this rank fewer
+                samples than micro-batches.
         """
+        layout = self._uniform_positions() if split is None else self._split_positions(split)
         batches, ids = [], []
-        for a in range(self.accum_steps):
-            positions = _micro_batch_positions(a, self.dp_rank, self.dp_size, self.micro_batch_size)
-            samples = torch.tensor([self.samples_consumed + p for p in positions])
-            windows = self._windows(samples)
+        for positions in layout:
+            windows = self._windows(torch.tensor([self.samples_consumed + p for p in positions]))
             batches.append(_gather(self.tokens, windows, self.seq_len))
             ids.append(windows.tolist())
         self.samples_consumed += self.global_batch_size
         self.last_sample_ids = ids
         return batches
+
+    def _uniform_positions(self) -> list[range]:
+        return [
+            _micro_batch_positions(a, self.dp_rank, self.dp_size, self.micro_batch_size)
+            for a in range(self.accum_steps)
+        ]
+
+    def _split_positions(self, split: list[int]) -> list[range]:
+        if len(split) != self.dp_size or sum(split) != self.global_batch_size:
+            raise ValueError(
+                f"the split {split} must give each of {self.dp_size} dp ranks its samples, "
+                f"{self.global_batch_size} in all"
+            )
+        mine = split[self.dp_rank]
+        if mine < self.accum_steps:
+            raise ValueError(f"dp rank {self.dp_rank} got {mine} samples for {self.accum_steps} micro-batches")
+        start = sum(split[: self.dp_rank])
+        base, extra = divmod(mine, self.accum_steps)
+        sizes = [base + (a < extra) for a in range(self.accum_steps)]
+        edges = [start + sum(sizes[:a]) for a in range(self.accum_steps + 1)]
+        return [range(edges[a], edges[a + 1]) for a in range(self.accum_steps)]
 
     def state_dict(self) -> dict[str, int]:
         """The data position, as plain ints (checkpointed with the model)."""

@@ -82,20 +82,26 @@ class ParallelModel:
         context.
 
         Not pipelined: every micro-batch but the last runs under ``sync.no_sync()``, so only
-        the last backward communicates. Pipelined: the schedule runs them, and each stage's
+        the last backward communicates; micro-batches of unequal size weigh by their samples
+        (the loss is the mean over this rank's samples). Pipelined: the schedule runs them, and each stage's
         last backward communicates.
         """
         if self.pipeline is not None:
             batches, start = self._pipeline_batches(micro_batches, device)
             return self.pipeline.train_step(batches, self.logits_loss, start, scale, self.sync, autocast)
-        total, last = 0.0, len(micro_batches) - 1
+        total, count = 0.0, len(micro_batches)
+        samples = sum(x.shape[0] for x, _ in micro_batches)
         for i, (x, y) in enumerate(micro_batches):
-            with self.sync.no_sync() if i < last else contextlib.nullcontext():
+            # A load balancer's micro-batches may differ in size by one: each weighs by its
+            # samples, so the gradient is the mean over this rank's samples (weight 1.0, exactly,
+            # when the sizes are equal).
+            weight = x.shape[0] * count / samples
+            with self.sync.no_sync() if i < count - 1 else contextlib.nullcontext():
                 with autocast():
                     loss = self.loss(x.to(device), y.to(device))
-                (loss * scale / len(micro_batches)).backward()
-            total += loss.item()
-        return total / len(micro_batches)
+                (loss * scale * weight / count).backward()
+            total += loss.item() * weight
+        return total / count
 
     @torch.no_grad()
     def eval_loss(self, batches: Batches, autocast: Callable, device: torch.device) -> float:

@@ -14,17 +14,22 @@ from loomtrain.distributed.spawn import free_port
 
 
 def select_device(cfg: Config) -> torch.device:
-    """CUDA (this process's local GPU) when asked or available under ``device="auto"``, else CPU.
+    """CUDA (this process's local GPU) when asked or available under ``device="auto"``, else CPU;
+    ``run.rank_devices`` names each rank's device type instead (a mixed CPU + CUDA job).
 
     Raises:
         ConfigError: ``run.device='cuda'`` with no CUDA device visible.
     """
-    want_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    env = launch_env()
+    if cfg.run.rank_devices:
+        want_cuda = cfg.run.rank_devices[env.rank] == "cuda"
+    else:
+        want_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("run.device='cuda' but no CUDA device is visible; use run.device='cpu' or 'auto'")
-    return torch.device("cuda", launch_env().local_rank)
+    return torch.device("cuda", env.local_rank % torch.cuda.device_count())
 
 
 def init_distributed(cfg: Config, device: torch.device) -> None:
@@ -39,7 +44,9 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
         return
     backend = cfg.distributed.backend
     if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # NCCL only joins CUDA ranks; a job mixing CPU and CUDA ranks talks through gloo.
+        mixed = len(set(cfg.run.rank_devices)) > 1
+        backend = "nccl" if device.type == "cuda" and not mixed else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())

@@ -33,6 +33,7 @@ class GradientSync(ABC):
 
     Attributes:
         hook: the :class:`~loomtrain.distributed.data_parallel.CommHook` that reduces gradients.
+        blocked_s: running total of seconds blocked on collectives inside forward and backward.
         group: the ranks whose gradients are averaged (``ParallelDims.grad_mesh``).
         scaler: the fp16 dynamic loss scaler, or ``None``.
     """
@@ -46,6 +47,9 @@ class GradientSync(ABC):
         self.scaler = scaler
         self.optimizer: torch.optim.Optimizer | None = None
         self._rank_factor = 1.0
+        # Seconds spent blocked on collectives inside forward and backward (ZeRO-3's parameter
+        # gathers wait for the slowest rank): a speed monitor takes them out of compute time.
+        self.blocked_s = 0.0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -33,6 +33,7 @@ the optimizer needs is a copy made by :meth:`ZeroSynchronizer.prepare_step` and 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -117,7 +118,9 @@ class ZeroSynchronizer(GradientSync):
             return
         self._start_gather(unit)
         work, recv = unit.pending
+        start = time.perf_counter()
         work.wait()
+        self.blocked_s += time.perf_counter() - start
         self.layout.unpack_gathered(unit, recv)
         unit.pending, unit.gathered = None, True
 
