@@ -19,7 +19,7 @@ run whole on the shaped link, and its measured training time is compared with th
 the tc counters and set beside what the hierarchical hook counted.
 
     python benchmarks/bench_topology.py [--part collectives|payoff|all] [--steps 2000]
-        [--shaped-steps 100] [--end-to-end hier_topk_ramp] [--max-bytes 64M] [--out FILE]
+        [--shaped-steps 300] [--end-to-end hier_topk_ramp] [--max-bytes 64M] [--out FILE]
 
 Writes ``benchmarks/results/topology.json``; prints the best compressed setting's
 time-to-loss / T last.
@@ -235,7 +235,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=["collectives", "payoff", "all"], default="all")
     p.add_argument("--steps", type=int, default=2000, help="flat's steps; T = steps × flat's shaped step time")
-    p.add_argument("--shaped-steps", type=int, default=100, help="steps timed per setting on the shaped link")
+    p.add_argument("--shaped-steps", type=int, default=300, help="steps timed per setting on the shaped link")
     p.add_argument("--end-to-end", choices=sorted(SETTINGS), default="hier_topk_ramp")
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--layouts", default="2x2,2x4", help="hosts x procs for part 1")
