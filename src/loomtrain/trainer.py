@@ -236,7 +236,8 @@ class Trainer:
         """Every ``balance.interval`` steps, let the balancers share their measurements and decide."""
         if self.stage_balancer is not None:
             self.stage_balancer.record(self.pm.pipeline.last_record)
-        if self.step % self.cfg.balance.interval:
+        # Nothing to balance for after the last step (and a pipeline rebuilt then has no step to report).
+        if self.step % self.cfg.balance.interval or self.step == self.cfg.training.steps:
             return
         if self.balancer is not None:
             self._rebalance_data()

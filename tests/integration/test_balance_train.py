@@ -129,7 +129,10 @@ def test_moving_pipeline_layers_mid_run_keeps_the_update(tmp_path):
     # Wide enough that a block's compute outweighs the per-action overhead (the embedding and
     # head stay small next to three blocks).
     pp = ["--parallel.pipeline_parallel_degree=2", "--model.n_layers=4", "--balance.interval=2", "--model.dim=128",
-          "--model.n_heads=4", "--model.max_seq_len=64", "--training.seq_len=64"]  # fmt: skip
+          "--model.n_heads=4", "--model.max_seq_len=64", "--training.seq_len=64",
+          # Decisions at steps 2, 4 and 6 (each on few timed steps: noise may delay the move);
+          # the parameters are compared at step 6.
+          "--training.steps=8"]  # fmt: skip
     reference = train(2, tmp_path, "even", *pp)
     run = train(2, tmp_path, "moved", *pp, "--parallel.stage_boundaries=[1]", "--balance.pipeline=true")
     moves = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from loomtrain.data.loader import DistributedBatchLoader
-from loomtrain.distributed.balance import DataBalancer, RankMeasure, balanced_split, predicted_step_s
+from loomtrain.distributed.balance import (
+    DataBalancer,
+    PipelineBalancer,
+    RankMeasure,
+    balanced_split,
+    predicted_step_s,
+)
 
 
 def brute_force_best(total: int, seconds: list[float], low: int, high: int) -> float:
@@ -110,3 +116,13 @@ def test_loader_refuses_a_split_that_does_not_fit():
         loader.next_step([4, 3])
     with pytest.raises(ValueError, match="micro-batches"):
         loader.next_step([1, 7])
+
+
+def test_pipeline_balancer_moves_to_the_fast_rank_and_never_straight_back():
+    """Catches: layers moved toward the slow rank, and two splits swapped at every decision when
+    the measured speeds depend on the split (an idle throttled rank runs faster)."""
+    b = PipelineBalancer(16, pp=2, v=1, n_micro=16, boundaries=[], threshold=0.05, smoothing=0.5)
+    decision = b.decide(5, [8.0, 16.0])  # 8 layers each; rank 1 at half speed
+    assert decision is not None and decision.before == [8] and decision.after == [11] == b.boundaries
+    assert b.decide(10, [11.0, 5.0]) is None  # equal speeds now: back to [8] is refused
+    assert b.boundaries == [11]

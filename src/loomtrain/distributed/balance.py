@@ -276,6 +276,7 @@ class PipelineBalancer:
         self.pp, self.v, self.n_micro, self.threshold, self.smoothing = pp, v, n_micro, threshold, smoothing
         self.costs = [1.0] * n_layers
         self.stages = partition_layers(n_layers, pp * v, boundaries)
+        self.left: list[list[int]] | None = None
         self.seconds: list[float] | None = None
         self.rebalances = 0
 
@@ -310,10 +311,12 @@ class PipelineBalancer:
         proposal = stage_balance.balanced_stages(self.costs, speeds, self.pp, self.v)
         now = stage_balance.predicted_step_s(self.stages, self.costs, speeds, self.n_micro, self.pp, self.v)
         then = stage_balance.predicted_step_s(proposal, self.costs, speeds, self.n_micro, self.pp, self.v)
-        if proposal == self.stages or not stage_balance.should_repartition(now, then, self.threshold):
+        # Never straight back to the split just left: under a measurement that depends on the
+        # split (an idle rank runs faster), two splits could otherwise swap at every decision.
+        if proposal in (self.stages, self.left) or not stage_balance.should_repartition(now, then, self.threshold):
             return None
         decision = StageRebalance(step, self.boundaries, [s[0] for s in proposal[1:]], now, then, speeds)
-        self.stages, self.seconds = proposal, None  # times measured on the old split no longer apply
+        self.left, self.stages, self.seconds = self.stages, proposal, None  # old times no longer apply
         self.rebalances += 1
         return decision
 
