@@ -120,25 +120,44 @@ def test_resume_after_a_rebalance_continues_the_run(throttled, tmp_path):
         assert loss == pytest.approx(want[step], rel=RTOL), step
 
 
-def test_moving_pipeline_layers_mid_run_keeps_the_update(tmp_path):
+# Wide enough that a block's compute outweighs the per-action overhead (the embedding and head
+# stay small next to three blocks). Decisions at steps 2, 4 and 6, each on few timed steps (noise
+# may delay the move); the parameters are compared at step 6.
+PIPELINE = ["--parallel.pipeline_parallel_degree=2", "--model.n_layers=4", "--balance.interval=2", "--model.dim=128",
+            "--model.n_heads=4", "--model.max_seq_len=64", "--training.seq_len=64", "--training.steps=8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pipeline_even(tmp_path_factory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("pipeline_even")
+    return train(2, out, "even", *PIPELINE), out
+
+
+@pytest.mark.parametrize(
+    ("world", "extra"),
+    [
+        (2, []),
+        # Four ranks share two cores: unthrottled, each stage's time is mostly its wait for a
+        # core, and 1 : 3 measures no slower than 2 : 2. Equal quotas of 0.45 core make each
+        # rank's time its own compute again.
+        pytest.param(4, ["--simulate.rank_speed=[0.45, 0.45, 0.45, 0.45]"], marks=needs_throttle),
+    ],
+    ids=["pp2", "pp2_dp2"],
+)
+def test_moving_pipeline_layers_mid_run_keeps_the_update(tmp_path, pipeline_even, world, extra):
     """Catches: layers moved between pipeline ranks without their optimizer state (AdamW
     moments restart: parameters diverge), a rebuilt pipeline that loses the data position or
-    repeats a step, and a balancer that does not move a lopsided split. Equal ranks start at
-    1 : 3 of 4 layers; the balancer must move to 2 : 2, and the parameters must end as a plain
-    2 : 2 run's."""
-    # Wide enough that a block's compute outweighs the per-action overhead (the embedding and
-    # head stay small next to three blocks).
-    pp = ["--parallel.pipeline_parallel_degree=2", "--model.n_layers=4", "--balance.interval=2", "--model.dim=128",
-          "--model.n_heads=4", "--model.max_seq_len=64", "--training.seq_len=64",
-          # Decisions at steps 2, 4 and 6 (each on few timed steps: noise may delay the move);
-          # the parameters are compared at step 6.
-          "--training.steps=8"]  # fmt: skip
-    reference = train(2, tmp_path, "even", *pp)
-    run = train(2, tmp_path, "moved", *pp, "--parallel.stage_boundaries=[1]", "--balance.pipeline=true")
+    repeats a step, a balancer that does not move a lopsided split, and (pp 2 × dp 2) replicas
+    that decide differently or rebuild their data-parallel groups wrongly (the run would hang or
+    the replicas' gradients stop being averaged). Equal ranks start at 1 : 3 of 4 layers; the
+    balancer must move to 2 : 2, and the parameters must end as a plain pp 2 run's with the
+    even split (dp 2 only reorders float sums)."""
+    reference, out = pipeline_even
+    run = train(world, tmp_path, "moved", *PIPELINE, "--parallel.stage_boundaries=[1]", "--balance.pipeline=true", *extra)
     moves = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
              if e["event"] == "pipeline_rebalance"]  # fmt: skip
     assert moves and moves[0]["before"] == [1] and moves[0]["after"] == [2], moves
-    got, want = final_params(run, tmp_path), final_params(reference, tmp_path)
+    got, want = final_params(run, tmp_path), final_params(reference, out)
     for name, value in want.items():
         assert (got[name] - value).norm() <= RTOL * value.norm(), name
 
