@@ -12,7 +12,6 @@ only read.
 
 from __future__ import annotations
 
-import os
 import tomllib
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loomtrain.checkpoint import find_latest_checkpoint, verify_checkpoint
-from loomtrain.cluster.throttle import CORE_CAP, parse_speed_changes, plan_cores, throttle_requirements
+from loomtrain.cluster.throttle import CORE_CAP, parse_speed_changes, place_ranks, throttle_requirements
 from loomtrain.config import Config, ConfigError
 from loomtrain.data import check_data_files
 from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
@@ -121,7 +120,7 @@ def check_simulation(cfg: Config, world_size: int) -> None:
             f"simulate.rank_speed has {len(sim.rank_speed)} entries for {world_size} ranks; give one per rank"
         )
     try:
-        cores = plan_cores(sim.rank_speed, len(os.sched_getaffinity(0)))
+        cores = place_ranks(sim.rank_speed)
         changes = parse_speed_changes(sim.speed_change)
     except ValueError as err:
         raise ConfigError(str(err)) from None

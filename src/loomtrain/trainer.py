@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from loomtrain.checkpoint import CheckpointManager, TrainState, read_manifest
-from loomtrain.cluster.throttle import CpuThrottle, parse_speed_changes, plan_cores
+from loomtrain.cluster.throttle import CpuThrottle, parse_speed_changes, place_ranks
 from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
@@ -103,6 +103,7 @@ class Trainer:
         self.dims = placed_dims(cfg.parallel, self.topology, self.device.type)
         self.resumed_from = check_once(cfg, self.dims.world_size)
         self.throttle = start_throttle(cfg, dist.get_rank())
+        self.speed_changes = [c for c in parse_speed_changes(cfg.simulate.speed_change) if c.rank == dist.get_rank()]
         layout = {**self.dims.layout(), "zero_stage": cfg.data_parallel.zero_stage}
         ck = cfg.checkpoint
         self.ckpt = CheckpointManager(cfg.run_dir / "checkpoints", ck.keep_last, ck.async_save, layout)
@@ -228,8 +229,8 @@ class Trainer:
         """Apply this rank's ``simulate.speed_change`` entries due before the coming step."""
         if self.throttle is None:
             return
-        for change in parse_speed_changes(self.cfg.simulate.speed_change):
-            if change.step == self.step + 1 and change.rank == dist.get_rank():
+        for change in self.speed_changes:
+            if change.step == self.step + 1:
                 self.throttle.set_speed(change.speed)
 
     def _balance(self) -> None:
@@ -323,9 +324,7 @@ def start_throttle(cfg: Config, rank: int) -> CpuThrottle | None:
     if not speeds:
         return None
     # Core k of the plan is the k-th CPU this process may run on (an affinity mask may hide some).
-    cpus = sorted(os.sched_getaffinity(0))
-    cores = plan_cores(speeds, len(cpus))
-    return CpuThrottle(os.getpid(), speeds[rank], cpus[cores[rank]], tag=f"{cfg.run.name}-r{rank}")
+    return CpuThrottle(os.getpid(), speeds[rank], place_ranks(speeds)[rank], tag=f"{cfg.run.name}-r{rank}")
 
 
 def record_balance(run_dir, step: int, split: list[int], measures, seq_len: int) -> None:

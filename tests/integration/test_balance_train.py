@@ -153,7 +153,8 @@ def test_moving_pipeline_layers_mid_run_keeps_the_update(tmp_path, pipeline_even
     balancer must move to 2 : 2, and the parameters must end as a plain pp 2 run's with the
     even split (dp 2 only reorders float sums)."""
     reference, out = pipeline_even
-    run = train(world, tmp_path, "moved", *PIPELINE, "--parallel.stage_boundaries=[1]", "--balance.pipeline=true", *extra)
+    split = ["--parallel.stage_boundaries=[1]", "--balance.pipeline=true"]
+    run = train(world, tmp_path, "moved", *PIPELINE, *split, *extra)
     moves = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
              if e["event"] == "pipeline_rebalance"]  # fmt: skip
     assert moves and moves[0]["before"] == [1] and moves[0]["after"] == [2], moves

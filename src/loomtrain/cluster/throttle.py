@@ -156,6 +156,17 @@ def _fit(speeds: list[float], order: list[int], n_cores: int, cap: float, spread
     return plan
 
 
+def place_ranks(speeds: list[float]) -> list[int]:
+    """The CPU id (from this process's affinity set) each rank is pinned to: ``plan_cores`` over
+    the CPUs this process may run on.
+
+    Raises:
+        ConfigError: as ``plan_cores``.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[core] for core in plan_cores(speeds, len(cpus))]
+
+
 def parse_speed_changes(entries: list[str]) -> list[SpeedChange]:
     """``simulate.speed_change`` entries ``"step:rank:speed"`` (e.g. ``"200:1:0.25"``: before
     step 200, rank 1 runs at 0.25 of a core), in the order given.

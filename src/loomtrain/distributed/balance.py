@@ -87,6 +87,12 @@ def _cgroup_memory() -> tuple[int | None, int | None]:
     return None, None
 
 
+def moving_average(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average: ``new`` weighted ``weight``, the history ``1 - weight``
+    (``old`` None: no history yet, ``new`` itself)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class SpeedMonitor:
     """This rank's compute speed, gradient-sync wait and memory headroom, smoothed, and their
     exchange with the other ranks.
@@ -100,7 +106,6 @@ class SpeedMonitor:
         self.smoothing, self.device = smoothing, device
         self.seconds_per_sample: float | None = None
         self.wait_s = 0.0
-        self.last_compute_s = 0.0
 
     @contextlib.contextmanager
     def compute(self, samples: int, blocked_s) -> Iterator[None]:
@@ -111,7 +116,6 @@ class SpeedMonitor:
         yield
         synchronize(self.device)
         seconds = time.perf_counter() - start - (blocked_s() - blocked)
-        self.last_compute_s = seconds
         self._smooth("seconds_per_sample", seconds / samples)
 
     @contextlib.contextmanager
@@ -122,8 +126,7 @@ class SpeedMonitor:
         self._smooth("wait_s", time.perf_counter() - start)
 
     def _smooth(self, name: str, value: float) -> None:
-        old = getattr(self, name)
-        setattr(self, name, value if old is None else (1 - self.smoothing) * old + self.smoothing * value)
+        setattr(self, name, moving_average(getattr(self, name), value, self.smoothing))
 
     def gather(self, dp_rank: int, dp: int) -> list[RankMeasure]:
         """Every dp rank's measures (a collective over all ranks). Ranks that share a dp rank
@@ -288,8 +291,8 @@ class PipelineBalancer:
     def record(self, record: StepRecord) -> None:
         """Fold one step's measured stage times (from the pipeline executor) into the average."""
         now = stage_balance.stage_seconds(record, len(self.stages))
-        old = now if self.seconds is None else self.seconds
-        self.seconds = [(1 - self.smoothing) * a + self.smoothing * b for a, b in zip(old, now, strict=True)]
+        old = self.seconds or [None] * len(now)
+        self.seconds = [moving_average(a, b, self.smoothing) for a, b in zip(old, now, strict=True)]
 
     def gather(self, device: torch.device) -> list[float]:
         """Per stage, the largest averaged time over all data-parallel replicas (a collective
