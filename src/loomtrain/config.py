@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -118,6 +118,20 @@ class ModelConfig(_Section):
     )
     rope_theta: float = Field(10000.0, gt=0, description="Base of the rotary position embedding's frequencies.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon added to the mean square inside RMSNorm.")
+    init_from: str | None = Field(
+        None,
+        description=(
+            "Start from another model's weights instead of a random init: `hf:DIR`, a local Hugging Face Llama "
+            "checkpoint (`config.json` + safetensors); its shapes replace this section's."
+        ),
+    )
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_kind(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("hf:") or len(value) == 3):
+            raise ValueError(f"model.init_from={value!r} is not `hf:DIR`; give a local Hugging Face model directory")
+        return value
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -263,6 +277,17 @@ class TrainingConfig(_Section):
         10,
         ge=1,
         description="Steps between records in `metrics.jsonl`; step 1 and evaluation steps are always recorded.",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description=(
+            "Trade compute for memory: `full` recomputes each transformer block in backward, `selective` only "
+            "the attention core (Korthikanti et al. 2022); `none` keeps every activation."
+        ),
+    )
+    compile: bool = Field(
+        False,
+        description="Compile each transformer block with `torch.compile` (inductor; needs a C++ compiler on CPU).",
     )
 
     @model_validator(mode="after")
@@ -603,6 +628,51 @@ class SimulateConfig(_Section):
     )
 
 
+class ProfileConfig(_Section):
+    """``torch.profiler`` traces of chosen steps (``docs/profiling.md``)."""
+
+    steps: str | None = Field(
+        None,
+        description=(
+            "Record a profiler trace of steps N..M (inclusive, `N:M`) on every rank to `<run>/profile/`; unset: "
+            "no trace."
+        ),
+    )
+    memory_snapshot: bool = Field(
+        True, description="With `steps`, also dump a CUDA memory snapshot of those steps (CUDA devices only)."
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _steps_range(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        first, _, last = value.partition(":")
+        if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+            raise ValueError(f"profile.steps={value!r} is not `N:M` with 1 <= N <= M; e.g. profile.steps='5:7'")
+        return value
+
+    @property
+    def step_range(self) -> tuple[int, int] | None:
+        """The first and last profiled step, or None."""
+        if self.steps is None:
+            return None
+        first, _, last = self.steps.partition(":")
+        return int(first), int(last)
+
+
+class LogConfig(_Section):
+    """Console output of rank 0."""
+
+    format: Literal["text", "json"] = Field(
+        "text",
+        description=(
+            "`text`: a progress bar on a terminal, one plain line per log interval otherwise; `json`: one JSON "
+            "object per log interval (machine-readable)."
+        ),
+    )
+
+
 class MetricsConfig(_Section):
     """``record_samples`` writes each rank's sample ids per step to ``<run>/samples/``."""
 
@@ -641,6 +711,8 @@ class Config(_Section):
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
 
     @model_validator(mode="after")
