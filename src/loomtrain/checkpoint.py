@@ -119,16 +119,20 @@ def verify_checkpoint(path: Path, hashes: bool = True) -> str | None:
     return None
 
 
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Every ``step_NNNNNNNN`` directory in ``directory`` (complete or not), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name))
+
+
 def find_latest_checkpoint(directory: Path, warn: bool = True, hashes: bool = True) -> Path | None:
     """The newest complete checkpoint in ``directory``, or ``None``.
 
     Incomplete or corrupted ones (see :func:`verify_checkpoint`; ``hashes``: check checksums
     too) are skipped, with a warning if ``warn``.
     """
-    if not directory.is_dir():
-        return None
-    steps = sorted((p for p in directory.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
-    for path in steps:
+    for path in reversed(list_checkpoints(directory)):
         problem = verify_checkpoint(path, hashes)
         if problem is None:
             return path
@@ -239,8 +243,7 @@ class CheckpointManager:
         _fsync_dir(self.directory)
 
     def _prune(self) -> None:
-        complete = sorted(p for p in self.directory.iterdir() if _STEP_DIR.match(p.name))
-        for old in complete[: -self.keep_last]:
+        for old in list_checkpoints(self.directory)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(

@@ -1,4 +1,4 @@
-"""Command line: ``loomtrain train | generate | report | cluster | bench``.
+"""Command line: ``loomtrain train | generate | report | export | cluster | bench``.
 
     loomtrain train --config configs/shakespeare_char.toml --nproc 2 [--section.key=value ...]
     torchrun --nproc-per-node 8 -m loomtrain.cli train --config configs/x.toml
@@ -6,7 +6,8 @@
     loomtrain train --cluster --config configs/shakespeare_char.toml [--elastic --min-nodes 1]
     loomtrain bench collectives [--cluster | --nproc 4] [--max-bytes 64MB]
     loomtrain generate --run runs/shakespeare_char --prompt "ROMEO:" --max-new-tokens 300
-    loomtrain report runs/shakespeare_char [--step 100]
+    loomtrain report runs/a [runs/b ...] [--out DIR] [--step 100]
+    loomtrain export --run runs/shakespeare_char [--step N] --to hf --out hf/shakespeare_char
 
 Every check that can fail on user input runs here, before any process is launched or any
 file written; a failure prints one ``error:`` line and exits with status 2.
@@ -22,6 +23,7 @@ import sys
 from loomtrain.cluster.cli import cluster_parser, cmd_cluster
 from loomtrain.config import Config, ConfigError, load_config
 from loomtrain.distributed.parallel_dims import launch_env
+from loomtrain.interop.hf import resolve_init_from
 from loomtrain.launch import ElasticSpec, launch
 from loomtrain.preflight import check_launch, check_world
 from loomtrain.run_dir import apply_overwrite
@@ -63,7 +65,7 @@ def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], C
         overrides.append(f"--checkpoint.resume={args.resume}")
     if args.overwrite:
         overrides.append("--run.overwrite=true")
-    return args, overrides, load_config(args.config, overrides)
+    return args, overrides, resolve_init_from(load_config(args.config, overrides))
 
 
 def _elastic_spec(args: argparse.Namespace, cfg: Config) -> ElasticSpec | None:
@@ -215,25 +217,31 @@ def cmd_generate(argv: list[str]) -> int:
 def _report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loomtrain report",
-        description="Write a pipeline-parallel run's timeline as trace.json (Perfetto) and timeline.png.",
+        description="Draw runs' loss, tokens/s, MFU, memory and bytes per step, several runs on one figure, to "
+        "report.png and a self-contained report.html; a pipelined run's timeline also goes to trace.json (Perfetto) "
+        "and timeline.png in its own directory.",
     )
-    p.add_argument("run_dir", help="run directory, e.g. runs/shakespeare_char")
-    p.add_argument("--step", type=int, help="training step to show (default: the last one recorded)")
+    p.add_argument("run_dirs", nargs="+", metavar="run_dir", help="run directories, e.g. runs/a runs/b")
+    p.add_argument("--out", help="directory for report.png and report.html (default: the first run's directory)")
+    p.add_argument("--step", type=int, help="pipeline timeline step to show (default: the last one recorded)")
     return p
 
 
 def cmd_report(argv: list[str]) -> int:
     args = _report_parser().parse_args(argv)
-    from loomtrain.report import bubble_summary, load_timeline, write_report
+    from loomtrain.run_report import write_reports
 
     try:
-        summary = bubble_summary(load_timeline(args.run_dir), args.step)
-        paths = write_report(args.run_dir, args.step)
+        files = write_reports(args.run_dirs, args.out, args.step)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
-    print(f"trace: {paths['trace']} (open at https://ui.perfetto.dev)")
-    print(f"gantt: {paths['gantt']}")
-    print(summary)
+    for _, paths, bubble in files.timelines:
+        print(f"trace: {paths['trace']} (open at https://ui.perfetto.dev)")
+        print(f"gantt: {paths['gantt']}")
+        print(bubble)
+    if files.page is not None:
+        print(f"figure: {files.figure}")
+        print(f"page: {files.page}")
     return 0
 
 
@@ -270,11 +278,34 @@ def cmd_bench(argv: list[str]) -> int:
     return run_agents([cmd], {**os.environ, "OMP_NUM_THREADS": "1"}, None)
 
 
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loomtrain export",
+        description="Write a run's checkpoint (any parallel layout) as a Hugging Face Llama directory: config.json, "
+        "model.safetensors and the tokenizer, loaded by transformers' AutoModelForCausalLM and AutoTokenizer.",
+    )
+    p.add_argument("--run", required=True, help="run directory, e.g. runs/shakespeare_char")
+    p.add_argument("--step", type=int, help="checkpoint step to export (default: the newest complete checkpoint)")
+    p.add_argument("--to", required=True, choices=["hf"], help="format: 'hf' (Hugging Face transformers)")
+    p.add_argument("--out", required=True, help="directory to write (must not exist, or be empty)")
+    return p
+
+
+def cmd_export(argv: list[str]) -> int:
+    args = _export_parser().parse_args(argv)
+    from loomtrain.interop.hf import export_hf
+
+    checkpoint = export_hf(args.run, args.out, args.step)
+    print(f"exported {checkpoint} to {args.out}; load it with transformers.AutoModelForCausalLM.from_pretrained("
+          f"{args.out!r}) and AutoTokenizer.from_pretrained({args.out!r})")  # fmt: skip
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "report": cmd_report, "cluster": cmd_cluster,
-            "bench": cmd_bench}  # fmt: skip
+            "bench": cmd_bench, "export": cmd_export}  # fmt: skip
 # Each command's argument parser, for its --help and the generated reference (docs/configuration.md).
 PARSERS = {"train": _train_parser, "generate": _generate_parser, "report": _report_parser, "cluster": cluster_parser,
-           "bench": _bench_parser}  # fmt: skip
+           "bench": _bench_parser, "export": _export_parser}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

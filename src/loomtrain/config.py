@@ -66,8 +66,21 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """Llama-style decoder sizes. ``vocab_size=0`` means: take it from the tokenizer."""
+    """Llama-style decoder sizes. ``vocab_size=0`` means: take it from the tokenizer.
 
+    ``preset`` names a published shape (``models/presets.py``, docs/presets.md) that fills the
+    fields not given explicitly; given fields win, and a given ``dim`` rescales the preset's
+    SwiGLU width unless ``ffn_hidden_dim`` is given too.
+    """
+
+    preset: str | None = Field(
+        None,
+        description=(
+            "A published model shape by name (`llama3-8b`, `llama3-70b`, `llama3-405b`, `llama2-7b`, ...; see "
+            "docs/presets.md): it fills the fields of this section that are not given; given fields win, and a "
+            "given `dim` rescales the preset's `ffn_hidden_dim` to keep its ratio."
+        ),
+    )
     n_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
     n_heads: int = Field(
         4,
@@ -126,6 +139,16 @@ class ModelConfig(_Section):
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        # Imported here: the models package imports this module.
+        from loomtrain.models.presets import fill_from_preset
+
+        return fill_from_preset(data)
+
     @field_validator("init_from")
     @classmethod
     def _init_from_kind(cls, value: str | None) -> str | None:
@@ -135,15 +158,17 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
+        problem = None
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
-        kv = self.kv_heads
-        if self.n_heads % kv:
-            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"head dim model.dim/model.n_heads={self.dim // self.n_heads} must be even for rotary embedding"
-            )
+            problem = f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}"
+        elif self.n_heads % self.kv_heads:
+            problem = f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}"
+        elif (self.dim // self.n_heads) % 2:
+            problem = f"head dim model.dim/model.n_heads={self.dim // self.n_heads} must be even for rotary embedding"
+        if problem and self.preset:
+            problem += f" (model.preset={self.preset!r} sets the heads; give model.n_heads and model.n_kv_heads too)"
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
@@ -966,6 +991,32 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def read_toml(path: Path, what: str, fix: str) -> dict[str, Any]:
+    """Read a TOML file whose every section must be a table.
+
+    ``what`` names the file in errors (``config file``, ``the run's config.toml``) and ``fix``
+    says what to do instead.
+
+    Raises:
+        ConfigError: a missing path, a directory, a file that is not UTF-8 text, invalid TOML,
+            or a top-level key that is not a table; one line naming the file and ``fix``.
+    """
+    if path.is_dir():
+        raise ConfigError(f"{what} '{path}' is a directory, not a file; {fix}")
+    if not path.is_file():
+        raise ConfigError(f"{what} '{path}' does not exist; {fix}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start}); {fix}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not valid TOML ({e}); {fix}") from None
+    for key, value in raw.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{what} '{path}': top-level key {key!r} is not a [section] table; {fix}")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (or the defaults), apply overrides, validate.
 
@@ -975,13 +1026,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        raw = read_toml(Path(path), "config file", "give the path of a loomtrain TOML config, e.g. configs/*.toml")
     for arg in overrides or []:
         (section, key), value = parse_override(arg)
         raw.setdefault(section, {})

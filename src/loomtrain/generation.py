@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -43,12 +45,17 @@ def sample(
 
 def print_run_end(cfg: Config, model: torch.nn.Module, tokenizer, summary: dict) -> None:
     """What ``loomtrain train`` prints when a run ends: a sample of ``sample.max_new_tokens``
-    tokens from ``model`` (none if 0) and one line of the summary's figures."""
-    s = cfg.sample
+    tokens from ``model`` (none if 0) and one line of the summary's figures. With
+    ``log.format = "json"`` stdout stays one JSON object per line: the summary as a ``done``
+    object, the sample on stderr."""
+    s, as_json = cfg.sample, cfg.log.format == "json"
     if s.max_new_tokens > 0:
         text = sample(model, tokenizer, s.prompt, s.max_new_tokens, cfg.model.max_seq_len, s.temperature, s.top_k,
                       cfg.run.seed)  # fmt: skip
-        print(f"\n--- sample ({s.max_new_tokens} tokens) ---\n{text}\n---")
+        print(f"\n--- sample ({s.max_new_tokens} tokens) ---\n{text}\n---", file=sys.stderr if as_json else sys.stdout)
+    if as_json:
+        print(json.dumps({"event": "done", **summary, "run_dir": str(cfg.run_dir)}), flush=True)
+        return
     print(
         f"done: step {summary['final_step']}, val loss {summary['val_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {summary['mfu']:.2%}, wall {summary['wall_s']:.1f} s; "

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from loomtrain.config import Config
+from loomtrain.console import Console
 from loomtrain.distributed.parallel_dims import Axis, is_main_process
 from loomtrain.distributed.traffic import GRADIENT_AXIS, INTER_HOST_AXIS
 from loomtrain.hardware import mfu, peak_flops_per_s
@@ -63,14 +63,17 @@ def _truncated_jsonl(path: Path, start_step: int):
 
 
 class MetricsProcessor:
-    """Writes one JSON object per logged step to ``<run>/metrics.jsonl`` and the same scalars
-    to TensorBoard (``<run>/tensorboard``); shows a progress bar with loss, tokens/s and ETA.
+    """Writes one JSON object per logged step to ``<run>/metrics.jsonl`` (stamped with ``time``,
+    Unix seconds) and the same scalars to TensorBoard (``<run>/tensorboard``); shows progress on
+    the console (:class:`~loomtrain.console.Console`: a bar on a terminal, a plain line per
+    logged step otherwise, or JSON lines).
 
     Args:
         run_dir: the run directory (exists).
-        total_steps: optimizer steps of the whole run, for the bar and its ETA.
+        total_steps: optimizer steps of the whole run, for the progress and its ETA.
         start_step: the step a resumed run starts from.
         enabled: False on every rank but 0.
+        log_format: ``log.format``, ``"text"`` or ``"json"``.
     """
 
     def __init__(
@@ -81,11 +84,12 @@ class MetricsProcessor:
         enabled: bool = True,
         tensorboard: bool = True,
         progress_bar: bool = True,
+        log_format: str = "text",
     ):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
-        self._bar = None
+        self._console = None
         if not enabled:
             return
         self._jsonl = _truncated_jsonl(run_dir / "metrics.jsonl", start_step)
@@ -94,42 +98,33 @@ class MetricsProcessor:
 
             # purge_step hides events after the resumed step, which are about to be redone.
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
-        if progress_bar:
-            self._bar = tqdm(
-                total=total_steps,
-                initial=start_step,
-                unit="step",
-                file=sys.stderr,
-                dynamic_ncols=True,
-                mininterval=1.0,
-            )
+        self._console = Console(total_steps, start_step, log_format, progress_bar)
 
     def advance(self, steps: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(steps)
+        if self._console is not None:
+            self._console.advance(steps)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record ``values`` for ``step`` (scalars only)."""
         if not self.enabled:
             return
-        record = {"step": step, **values}
+        record = {"step": step, "time": round(time.time(), 3), **values}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in values.items():
                 if isinstance(value, int | float):
                     self._tb.add_scalar(key, value, step)
-        if self._bar is not None and "loss" in values:
-            self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values.get('tokens_per_s', 0):,.0f}")
+        self._console.log(step, values)
 
     def message(self, text: str) -> None:
         """Print a line on rank 0 without breaking the progress bar."""
-        if self.enabled:
-            (self._bar.write if self._bar is not None else print)(text)
+        if self._console is not None:
+            self._console.message(text)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if self._console is not None:
+            self._console.close()
         if self._tb is not None:
             self._tb.close()
         if self._jsonl is not None:
@@ -248,7 +243,8 @@ class TrainingMetrics:
         (see ``hardware.peak_flops_per_s``) is that of ``training.dtype``. Every device is
         credited an equal share of the step's FLOPs, whatever the mix of dp, sp, tp and pp."""
         t, m, world = cfg.training, cfg.metrics, pm.dims.world_size
-        writer = MetricsProcessor(cfg.run_dir, t.steps, start_step, is_main_process(), m.tensorboard, m.progress_bar)
+        writer = MetricsProcessor(cfg.run_dir, t.steps, start_step, is_main_process(), m.tensorboard, m.progress_bar,
+                                  cfg.log.format)  # fmt: skip
         peak = peak_flops_per_s(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
         speed = Throughput(t.global_batch_size * t.seq_len // world, flops_per_token(cfg.model, t.seq_len), peak, world)
         return cls(writer, pm, speed, device)
@@ -277,8 +273,9 @@ class TrainingMetrics:
     def step_record(self, loss: float, lr: float) -> dict[str, float]:
         """The record of a logged step: ``loss`` (mean over ranks), ``lr``, tokens/s and MFU
         since the last logged step, bytes per step and axis, the bubble over the steps since
-        the last logged one (pipelined), the fp16 loss scale (with loss scaling). A collective."""
-        record = {"loss": loss, "lr": lr, **self.speed.report()}
+        the last logged one (pipelined), the fp16 loss scale (with loss scaling), the peak memory
+        so far (bytes, max over ranks). A collective."""
+        record = {"loss": loss, "lr": lr, **self.speed.report(), "peak_memory_bytes": self.max_peak_memory_bytes()}
         record.update({f"comm_bytes_{axis}": v for axis, v in self.comm_bytes_per_step().items()})
         window = self.bubbles[self.bubbles_logged :]
         if window:
@@ -287,6 +284,13 @@ class TrainingMetrics:
         if self.pm.sync.scaler is not None:
             record["loss_scale"] = self.pm.sync.scaler.scale
         return record
+
+    def max_peak_memory_bytes(self) -> int:
+        """Peak memory so far in bytes (see :func:`peak_memory_bytes`), the largest over all
+        ranks. A collective."""
+        peak = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item())
 
     def comm_bytes_per_step(self) -> dict[str, float]:
         """Bytes a rank sent per training step, mean over ranks, per mesh axis: ``dp`` (gradient
@@ -311,11 +315,9 @@ class TrainingMetrics:
         compression ratio, this rank's model-state bytes, the loss scale and the steady-state
         bubble. A collective."""
         sync, steps = self.pm.sync, max(1, self.speed.total[0])
-        peak_mem = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
-        dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
         summary = {
             **run, **self.speed.overall(), "world_size": dist.get_world_size(),
-            "peak_memory_bytes": int(peak_mem.item()), "flops_per_token": self.speed.flops_per_token,
+            "peak_memory_bytes": self.max_peak_memory_bytes(), "flops_per_token": self.speed.flops_per_token,
             "peak_flops_per_s": self.speed.peak,
             "comm_bytes_per_step": self.train_traffic[GRADIENT_AXIS] / steps,
             "compression_ratio": sync.hook.bytes_sent / max(1, sync.hook.dense_bytes),

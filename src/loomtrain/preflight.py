@@ -12,15 +12,14 @@ only read.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from loomtrain.checkpoint import find_latest_checkpoint, verify_checkpoint
+from loomtrain.checkpoint import find_latest_checkpoint, list_checkpoints, verify_checkpoint
 from loomtrain.cluster.throttle import CORE_CAP, parse_speed_changes, place_ranks, throttle_requirements
-from loomtrain.config import Config, ConfigError
+from loomtrain.config import Config, ConfigError, read_toml
 from loomtrain.data import check_data_files
 from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
 
@@ -168,10 +167,12 @@ def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:
                 f"run directory {run_dir} already has checkpoint {latest.name}; pass --resume auto to "
                 "continue it, --overwrite to start over, or --run.name=<new name>"
             )
+        _refuse_to_truncate_history(run_dir)
         return None
     if resume == "auto":
         latest = find_latest_checkpoint(run_dir / "checkpoints", warn=hashes, hashes=hashes)
         if latest is None:
+            _refuse_if_all_damaged(run_dir / "checkpoints", hashes)
             return None
     else:
         latest = Path(resume)
@@ -184,10 +185,34 @@ def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:
     return latest
 
 
+def _refuse_if_all_damaged(directory: Path, hashes: bool) -> None:
+    """A run whose every checkpoint is damaged must not restart from step 0: that start would
+    truncate its logs and retention would delete the damaged checkpoints (issue #23, item 3)."""
+    damaged = {path.name: verify_checkpoint(path, hashes) for path in list_checkpoints(directory)}
+    if damaged:
+        listed = "; ".join(f"{name}: {problem}" for name, problem in damaged.items())
+        raise ConfigError(
+            f"every checkpoint in {directory} is damaged ({listed}); nothing was changed. Start over explicitly "
+            "with --overwrite (deletes the run directory), or keep it and train under --run.name=<new name>"
+        )
+
+
+def _refuse_to_truncate_history(run_dir: Path) -> None:
+    """A fresh start in a run directory with logged steps (a run that ended before its first
+    checkpoint) would truncate ``metrics.jsonl``: only ``--overwrite`` may discard history."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        raise ConfigError(
+            f"run directory {run_dir} holds a previous run's metrics.jsonl but no checkpoint to resume; pass "
+            "--overwrite to start over (deletes it), or --run.name=<new name> to keep it"
+        )
+
+
 def _check_same_run(cfg: Config, saved_file: Path) -> None:
-    if not saved_file.is_file():
+    if not saved_file.exists():
         return
-    saved = tomllib.loads(saved_file.read_text())
+    fix = "restore it from a copy, or start over with --overwrite (which deletes the run's checkpoints)"
+    saved = read_toml(saved_file, "the resumed run's config.toml", fix)
     current = cfg.model_dump()
     for section, keys in _RESUME_FIXED.items():
         for key in keys or current[section]:

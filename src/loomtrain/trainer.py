@@ -29,6 +29,7 @@ from loomtrain.distributed.preemption import Preemption
 from loomtrain.distributed.process_group import init_distributed, select_device
 from loomtrain.distributed.topology import discover_topology, placed_dims, placement_report, write_topology
 from loomtrain.generation import print_run_end
+from loomtrain.interop.hf import load_hf_weights, resolve_init_from
 from loomtrain.metrics import EventLog, SampleRecorder, TrainingMetrics, last_logged_step, record_resume, record_start
 from loomtrain.models import Transformer, count_params
 from loomtrain.models.parallelize import parallelize_llama
@@ -130,6 +131,9 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(cfg.run.seed)
         self.model = Transformer(cfg.model).to(self.device)
+        if cfg.model.init_from is not None and self.resumed_from is None:
+            # Into the whole model, before parallelize_llama shards it: every layout then starts from these weights.
+            load_hf_weights(self.model, cfg.model.init_from)
         self.n_params = count_params(self.model)  # counted whole, before sharding
         hook = build_comm_hook(cfg.compression, cfg.data_parallel.comm_hook, self.topology)
         self.pm = parallelize_llama(self.model, self.dims, cfg, hook)
@@ -348,4 +352,4 @@ def train(cfg: Config) -> dict:
     Raises:
         ConfigError: a setting that does not fit the world size or the data.
     """
-    return Trainer(cfg).run()
+    return Trainer(resolve_init_from(cfg)).run()

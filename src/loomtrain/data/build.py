@@ -59,7 +59,10 @@ def resolve_vocab(cfg: Config, vocab_size: int) -> None:
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = vocab_size
     elif cfg.model.vocab_size < vocab_size:
+        source, fix = "", "set model.vocab_size=0 to take the tokenizer's size"
+        if cfg.model.init_from:
+            source = f" (from model.init_from={cfg.model.init_from!r})"
+            fix = "start from a checkpoint whose vocabulary holds the tokenizer's ids"
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size}; "
-            "set model.vocab_size=0 to take the tokenizer's size"
+            f"model.vocab_size={cfg.model.vocab_size}{source} is smaller than the tokenizer's {vocab_size}; {fix}"
         )

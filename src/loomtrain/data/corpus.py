@@ -159,6 +159,8 @@ def _read_all(paths: list[str], text_field: str, field: str) -> str:
 
 def _check_file(path: str, text_field: str, field: str) -> None:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{field}: '{path}' is a directory; list the files inside it, e.g. {field}=['{path}/a.txt']")
     if not p.is_file():
         raise ConfigError(f"{field}: file '{path}' does not exist")
     if p.stat().st_size == 0:

@@ -11,9 +11,18 @@ Order (each step sees the module the previous one produced):
 2. tensor parallelism on the ``tp`` axis (Megatron column/row linears, vocab-parallel
    embedding and head), with Megatron sequence parallelism if ``tp_mode="sequence_parallel"``;
 3. Ulysses sequence parallelism on the ``sp`` axis (each attention core wrapped in all-to-alls);
-4. data parallelism or ZeRO over the ranks that hold the same parameters: ``dp`` and ``sp``
+4. ``torch.compile`` of each block's forward (``training.compile``): after the layers that
+   communicate are in place, so the compiled code is the code that runs; the forward only, not
+   the module call, so the hooks of steps 5-6 stay eager;
+5. activation checkpointing (``training.activation_checkpointing``): each block, or each
+   block's attention core (the innermost one, inside Ulysses' all-to-alls, so recomputing it
+   sends nothing), recomputed in backward; after the modules are final (steps 2-4: the
+   recomputation runs what the forward ran, collectives and compiled code included) and before
+   step 6 hooks onto them;
+6. data parallelism or ZeRO over the ranks that hold the same parameters: ``dp`` and ``sp``
    together (:attr:`ParallelDims.grad_mesh`), whose gradients are averaged; ZeRO shards over
-   ``dp_shard × sp`` and replicates over ``dp_replicate`` (HSDP).
+   ``dp_shard × sp`` and replicates over ``dp_replicate`` (HSDP). Its hooks fire around the
+   block's call and on gradients, so a recomputation in backward does not re-trigger them.
 
 The returned :class:`~loomtrain.distributed.parallel_model.ParallelModel` is what the training
 loop drives.
@@ -21,13 +30,15 @@ loop drives.
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loomtrain.config import Config
+from loomtrain.config import Config, ConfigError
+from loomtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from loomtrain.distributed.data_parallel import CommHook, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
@@ -50,11 +61,12 @@ from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.distributed.zero_layout import TensorParallelLayout
 from loomtrain.hardware import synchronize
-from loomtrain.models.llama import Transformer
+from loomtrain.models.llama import CoreAttention, Transformer
 
 
 def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook) -> ParallelModel:
-    """Apply pipeline, tensor, sequence and data parallelism (or ZeRO) to ``model`` in place.
+    """Apply pipeline, tensor, sequence and data parallelism (or ZeRO), compilation and
+    activation checkpointing to ``model`` in place, in the order of the module docstring.
 
     ``hook`` reduces gradients over :attr:`ParallelDims.grad_mesh` (``dp`` × ``sp``) and counts
     its bytes in the returned model's traffic counter. The checks of shapes against degrees are
@@ -76,6 +88,9 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
         tp_shards = {name: (dim, full_shapes[name]) for name, dim in split.items()}
     if dims.sp > 1:
         apply_ulysses(model, dims.group(Axis.SP), traffic=traffic)
+    if cfg.training.compile:
+        compile_blocks(model)
+    apply_activation_checkpointing(checkpointed_modules(model, cfg.training.activation_checkpointing))
     sync = apply_gradient_sync(model, dims, cfg, hook, tp_shards)
     pipeline = None
     if stage_layers is not None:
@@ -169,6 +184,8 @@ def _split_module(module: nn.Module, prefix: str, columns, rows, group, comm: di
     """Column-split ``columns``, row-split ``rows``; the module's input enters the parallel
     region once, in a forward pre-hook, for all the column layers that read it."""
 
+    # Eager under torch.compile, like every collective here (see compile_blocks).
+    @torch.compiler.disable
     def enter(_module: nn.Module, args: tuple) -> tuple:
         return (enter_parallel_region(args[0], group, **comm), *args[1:])
 
@@ -211,6 +228,110 @@ def apply_ulysses(
     """
     for layer in model.layers.values():
         layer.attention.core = UlyssesAttention(layer.attention.core, group, traffic, axis)
+
+
+def checkpointed_modules(model: Transformer, mode: str) -> list[nn.Module]:
+    """The modules that ``training.activation_checkpointing=mode`` recomputes in backward.
+
+    ``"full"``: every transformer block this rank holds (Korthikanti et al. 2022 §4: full
+    recomputation keeps only each block's input). ``"selective"``: every block's attention core,
+    the only part of a block whose saved state grows with ``s²`` (§4.3: softmax, its dropout and
+    the attention over ``v``; with the fused SDPA kernel only its log-sum-exp); under Ulysses
+    the core inside the all-to-alls, so recomputing it communicates nothing. ``"none"``: no
+    module. See :func:`block_activation_bytes` for what each mode leaves saved.
+
+    Raises:
+        ValueError: ``mode`` is not ``none``, ``full`` or ``selective``.
+    """
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(model.layers.values())
+    if mode == "selective":
+        return [m for block in model.layers.values() for m in block.modules() if isinstance(m, CoreAttention)]
+    raise ValueError(f"training.activation_checkpointing={mode!r}; choose none, full or selective")
+
+
+def block_activation_bytes(cfg: Config, mode: str, tp: int = 1, bytes_per_element: int = 4) -> int:
+    """Bytes one transformer block saves for backward in one micro-batch's forward on one rank
+    (fp32 activations on CPU; ``tp``-way Megatron tensor parallelism, not sequence parallel),
+    derived in ``docs/activation_checkpointing.md`` by the method of Korthikanti et al. 2022
+    §4.1 applied to this block (RMSNorm, rotary attention with grouped key/value heads, SwiGLU).
+
+    In elements, with ``b`` micro-batch, ``s`` sequence, ``h`` width, ``a`` heads, ``k`` the
+    key/value width (``n_kv_heads · head_dim``), ``f`` the SwiGLU width, heads and ``f`` split
+    over ``t = tp`` (rank 0's share when ``f`` does not divide):
+
+    - ``"full"``: the block's input, ``sbh``;
+    - ``"selective"``: ``6sbh + 2sb + (2sbh + 2sbk + 4sbf)/t`` (norm inputs and outputs,
+      residual, rotated ``q``, ``k``, ``v``, attention output, SwiGLU), plus ``2sbh`` for the
+      two residual dropout masks when ``model.dropout > 0``;
+    - ``"none"``, ``model.dropout = 0`` (the fused SDPA kernel): ``"selective"`` plus the
+      kernel's log-sum-exp, ``abs/t``;
+    - ``"none"``, ``model.dropout > 0`` (the math kernel): ``8sbh + 2sb + (4sbh + 3as²b +
+      4sbf)/t``: it keeps scaled copies of ``q``, ``k``, ``v`` (grouped heads repeated) instead
+      of the rotated ones, and the softmax, its dropout mask and the dropped scores.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    m, t = cfg.model, cfg.training
+    b, s, h = t.micro_batch_size, t.seq_len, m.dim
+    a, hq, k, f = m.n_heads // tp, m.dim // tp, m.kv_heads * m.head_dim // tp, -(-m.hidden_dim // tp)
+    if mode == "full":
+        return bytes_per_element * s * b * h
+    masks = 2 * s * b * h if m.dropout > 0 else 0
+    split = {"selective": 2 * s * b * hq + 2 * s * b * k}
+    if m.dropout == 0:
+        split["none"] = split["selective"] + a * s * b
+    else:
+        split["none"] = 4 * s * b * hq + 3 * a * s * s * b
+    if mode not in split:
+        raise ValueError(f"training.activation_checkpointing={mode!r}; choose none, full or selective")
+    return bytes_per_element * (6 * s * b * h + masks + 2 * s * b + split[mode] + 4 * s * b * f)
+
+
+def cpp_compiler() -> str | None:
+    """Path of the C++ compiler inductor builds CPU kernels with (its ``cpp.cxx`` setting:
+    ``$CXX``, else ``g++``; ``clang++`` on macOS), or ``None`` when there is none."""
+    from torch._inductor import config as inductor_config
+
+    names = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, tuple | list) else (inductor_config.cpp.cxx,)
+    return next((path for path in map(shutil.which, filter(None, names)) if path), None)
+
+
+def compile_blocks(model: Transformer) -> None:
+    """``torch.compile`` (inductor) the forward of every transformer block this rank holds, in
+    place. All blocks share the compiled code, built at the first forward (and again for
+    evaluation, which runs without gradients).
+
+    The block's call and its hooks stay eager (ZeRO's gathering around it). So do the layers
+    that communicate inside it, tensor parallelism's and Ulysses' collectives: they are
+    ``torch.autograd.Function`` s that count their bytes in Python, which dynamo would trace as
+    side effects, guard on the counts and recompile at every call; disabled, each is a graph
+    break, and the code between them is compiled once.
+
+    Raises:
+        ConfigError: the model is on CPU and no C++ compiler is found.
+    """
+    if next(model.parameters()).device.type == "cpu" and cpp_compiler() is None:
+        raise ConfigError(
+            "training.compile=true on CPU needs a C++ compiler for inductor's kernels ($CXX or g++ on PATH); "
+            "install one or set training.compile=false"
+        )
+    for block in model.layers.values():
+        for module in block.modules():
+            if _communicates(module):
+                module.forward = torch.compiler.disable(module.forward)
+        block.forward = torch.compile(block.forward)
+
+
+def _communicates(module: nn.Module) -> bool:
+    """Whether ``module``'s forward issues a collective (the region entry hooks of
+    :func:`_split_module` are eager already)."""
+    if isinstance(module, ColumnParallelLinear):
+        return module.enter_input
+    return isinstance(module, RowParallelLinear | UlyssesAttention)
 
 
 def split_pipeline(model: Transformer, dims: ParallelDims, cfg: Config) -> dict[int, list[str]]:
