@@ -9,9 +9,11 @@ against :func:`~loomtrain.models.parallelize.block_activation_bytes`.
 Step time: AdamW steps (global-norm clipping at 1.0) of the three modes, then of the eager
 and the compiled model (``training.compile``, no recomputation), each set interleaved in
 rounds of alternating order (``timing.py``); median seconds of the slowest rank, ratios to
-``none`` (recomputation's cost) and compiled tokens/s over eager tokens/s. The compiled model's
-first step, which compiles, is timed on its own (inductor's on-disk cache makes it shorter on
-a second run). Writes ``benchmarks/results/ecosystem.json``.
+``none`` (recomputation's cost) and compiled tokens/s over eager tokens/s; and the median CPU
+seconds of a step (the busiest rank's process, all threads), which other jobs on a shared
+machine disturb less than wall time. The compiled model's
+first step, which compiles, is timed on its own, with an empty inductor cache (a cold compile,
+as on a fresh machine; a warm cache makes it several times shorter). Writes ``benchmarks/results/ecosystem.json``.
 
     python benchmarks/bench_ecosystem.py [--rounds 3 --steps 4 --wide-dim 512 --wide-layers 4]
 """
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,9 +67,12 @@ class Run:
         gen = torch.Generator().manual_seed(1 + dist.get_rank())
         tokens = torch.randint(0, m.vocab_size, (per_rank, t.seq_len + 1), generator=gen)
         self.micro = [(x[:, :-1], x[:, 1:]) for x in tokens.split(t.micro_batch_size)]
+        self.cpu_s: list[float] = []  # CPU seconds of this process (all threads) per step
 
     def step(self) -> None:
+        start = time.process_time()
         train_step(self.pm, self.optimizer, self.micro, self.cfg, CPU)
+        self.cpu_s.append(time.process_time() - start)
 
     def saved_bytes(self) -> dict[str, int]:
         """Bytes one micro-batch's forward saves: whole model with loss, and its first block."""
@@ -80,11 +86,17 @@ class Run:
         return {"model_bytes": whole.bytes, "block_bytes": block.bytes}
 
 
-def _timed(runs: dict[str, Run], rounds: int, steps: int) -> dict[str, float]:
+def _timed(runs: dict[str, Run], rounds: int, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall seconds per step (slowest rank) and median CPU seconds per step (the
+    busiest rank's process, all threads: less sensitive than wall time to other jobs on the
+    machine) of each run, interleaved."""
     for run in runs.values():
         run.step()  # warm-up: allocations, optimizer state
-    times = interleaved_rounds({name: lambda i, r=run: r.step() for name, r in runs.items()}, rounds, steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+        run.cpu_s.clear()
+    times = interleaved_rounds({name: lambda i, run=run: run.step() for name, run in runs.items()}, rounds, steps)
+    cpu = torch.tensor([statistics.median(run.cpu_s) for run in runs.values()])
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    return {name: statistics.median(t) for name, t in times.items()}, dict(zip(runs, cpu.tolist(), strict=True))
 
 
 def measure_recomputation(model: list[str], rounds: int, steps: int) -> dict:
@@ -93,8 +105,9 @@ def measure_recomputation(model: list[str], rounds: int, steps: int) -> dict:
     cfg = runs["none"].cfg
     for mode in MODES:
         memory[mode]["block_formula_bytes"] = block_activation_bytes(cfg, mode)
-    seconds = _timed(runs, rounds, steps)
-    return {"memory": memory, "step_s": seconds, "step_ratio_to_none": {m: seconds[m] / seconds["none"] for m in MODES}}
+    seconds, cpu = _timed(runs, rounds, steps)
+    return {"memory": memory, "step_s": seconds, "step_ratio_to_none": {m: seconds[m] / seconds["none"] for m in MODES},
+            "step_cpu_s": cpu, "cpu_ratio_to_none": {m: cpu[m] / cpu["none"] for m in MODES}}  # fmt: skip
 
 
 def measure_compile(model: list[str], rounds: int, steps: int) -> dict:
@@ -104,11 +117,12 @@ def measure_compile(model: list[str], rounds: int, steps: int) -> dict:
     runs["compiled"].step()  # compiles the block's forward and backward
     first = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
-    seconds = _timed(runs, rounds, steps)
+    seconds, cpu = _timed(runs, rounds, steps)
     t = runs["eager"].cfg.training
     tokens = {name: t.global_batch_size * t.seq_len / s for name, s in seconds.items()}
     return {"first_compiled_step_s": first.item(), "step_s": seconds, "tokens_per_s": tokens,
-            "compiled_over_eager_tokens_per_s": tokens["compiled"] / tokens["eager"]}  # fmt: skip
+            "compiled_over_eager_tokens_per_s": tokens["compiled"] / tokens["eager"], "step_cpu_s": cpu,
+            "eager_over_compiled_cpu_s": cpu["eager"] / cpu["compiled"]}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -130,10 +144,12 @@ def _print(result: dict) -> None:
             mem = rec["memory"][mode]
             print(f"{name:>11} {mode:>9}: {mem['model_bytes']:>11,} B saved per micro-batch, block "
                   f"{mem['block_bytes']:>9,} B (formula {mem['block_formula_bytes']:>9,}), step "
-                  f"{rec['step_s'][mode] * 1e3:7.1f} ms = {rec['step_ratio_to_none'][mode]:.2f}x none")  # fmt: skip
+                  f"{rec['step_s'][mode] * 1e3:7.1f} ms = {rec['step_ratio_to_none'][mode]:.2f}x none, CPU "
+                  f"{rec['cpu_ratio_to_none'][mode]:.2f}x")  # fmt: skip
         print(f"{name:>11}   compile: first step {comp['first_compiled_step_s']:.1f} s; eager "
               f"{comp['tokens_per_s']['eager']:,.0f} tok/s, compiled {comp['tokens_per_s']['compiled']:,.0f} tok/s: "
-              f"{comp['compiled_over_eager_tokens_per_s']:.2f}x")  # fmt: skip
+              f"{comp['compiled_over_eager_tokens_per_s']:.2f}x; CPU per step eager/compiled "
+              f"{comp['eager_over_compiled_cpu_s']:.2f}x")  # fmt: skip
 
 
 def main() -> None:
@@ -146,7 +162,10 @@ def main() -> None:
     args = parser.parse_args()
     # Two ranks on the machine's cores: one compile thread each, not a pool of workers per rank.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    result = spawn(worker, 2, args, timeout_s=3600)[0]
+    with tempfile.TemporaryDirectory(prefix="loomtrain-inductor-") as cache:
+        # An empty inductor cache: the first compiled step is a cold compile, as on a fresh machine.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        result = spawn(worker, 2, args, timeout_s=3600)[0]
     _print(result)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({**result, "config": vars(args), "world_size": 2}, indent=2))

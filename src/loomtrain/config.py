@@ -948,6 +948,16 @@ class Config(_Section):
             lines.append("")
         return "\n".join(lines)
 
+    @model_validator(mode="after")
+    def _profile_within_run(self) -> Config:
+        span, steps = self.profile.step_range, self.training.steps
+        if span is not None and span[1] > steps:
+            raise ValueError(
+                f"profile.steps={self.profile.steps!r} ends after training.steps={steps}: the trace would never be "
+                f"written; trace steps up to {steps} or raise training.steps"
+            )
+        return self
+
 
 # Settings that only a pipeline (pipeline_parallel_degree > 1) reads.
 _PIPELINE_OPTIONS = ("pipeline_schedule", "virtual_stages", "pipeline_split", "stage_boundaries")

@@ -27,6 +27,7 @@ from loomtrain.distributed.parallel_dims import Axis, is_main_process
 from loomtrain.distributed.traffic import GRADIENT_AXIS, INTER_HOST_AXIS
 from loomtrain.hardware import mfu, peak_flops_per_s
 from loomtrain.models.flops import flops_per_token
+from loomtrain.profiling import StepComm, overlap_figures
 
 if TYPE_CHECKING:
     from loomtrain.distributed.parallel_model import ParallelModel
@@ -228,7 +229,8 @@ class TrainingMetrics:
 
     Per step (:meth:`timed_step`): seconds inside the step, bytes sent per mesh axis (the
     traffic counter of ``pm``, where the gradient hook counts ``dp`` and tensor, sequence and
-    pipeline parallelism count theirs) and, pipelined, the measured bubble fraction.
+    pipeline parallelism count theirs), pipelined, the measured bubble fraction and, on CPU, the
+    gradient communication hidden behind backward (``profiling.CommOverlap``).
     """
 
     def __init__(self, writer: MetricsProcessor, pm: ParallelModel, speed: Throughput, device: torch.device):
@@ -236,6 +238,8 @@ class TrainingMetrics:
         self.train_traffic: Counter[str] = Counter()
         self.bubbles: list[float] = []  # measured per pipelined step (see PipelineExecutor)
         self.bubbles_logged = 0
+        self.comm_steps: list[StepComm] = []  # per step, this rank's (see CommOverlap)
+        self.comm_logged = 0
 
     @classmethod
     def for_run(cls, cfg: Config, pm: ParallelModel, device: torch.device, start_step: int) -> TrainingMetrics:
@@ -268,13 +272,17 @@ class TrainingMetrics:
             self.train_traffic[axis] += nbytes - sent.get(axis, 0)
         if self.pm.pipeline is not None:
             self.bubbles.append(self.pm.pipeline.last_record.bubble_fraction)
+        comm = self.pm.sync.overlap.pop()
+        if comm is not None:
+            self.comm_steps.append(comm)
         self.writer.advance()
 
     def step_record(self, loss: float, lr: float) -> dict[str, float]:
         """The record of a logged step: ``loss`` (mean over ranks), ``lr``, tokens/s and MFU
         since the last logged step, bytes per step and axis, the bubble over the steps since
         the last logged one (pipelined), the fp16 loss scale (with loss scaling), the peak memory
-        so far (bytes, max over ranks). A collective."""
+        so far (bytes, max over ranks), the gradient communication overlap over those steps
+        (:meth:`comm_overlap`). A collective."""
         record = {"loss": loss, "lr": lr, **self.speed.report(), "peak_memory_bytes": self.max_peak_memory_bytes()}
         record.update({f"comm_bytes_{axis}": v for axis, v in self.comm_bytes_per_step().items()})
         window = self.bubbles[self.bubbles_logged :]
@@ -283,7 +291,15 @@ class TrainingMetrics:
             self.bubbles_logged = len(self.bubbles)
         if self.pm.sync.scaler is not None:
             record["loss_scale"] = self.pm.sync.scaler.scale
+        record.update(self.comm_overlap(self.comm_steps[self.comm_logged :]))
+        self.comm_logged = len(self.comm_steps)
         return record
+
+    def comm_overlap(self, steps: list[StepComm]) -> dict[str, float]:
+        """``comm_s``, ``comm_exposed_s`` (seconds per step) and ``comm_hidden_fraction`` over
+        ``steps``, all ranks together (``profiling.overlap_figures``); empty where the timer is
+        off (CUDA). A collective where it is on."""
+        return overlap_figures(steps, self.device) if self.pm.sync.overlap.enabled else {}
 
     def max_peak_memory_bytes(self) -> int:
         """Peak memory so far in bytes (see :func:`peak_memory_bytes`), the largest over all
@@ -312,8 +328,9 @@ class TrainingMetrics:
         """The run's summary (``summary.json``): ``run``'s fields (final_step, start_step,
         resumed_from, loss, val_loss, wall_s, n_params), overall tokens/s and MFU, peak memory
         (max over ranks), bytes per step (this rank's, and per axis as means over ranks), the
-        compression ratio, this rank's model-state bytes, the loss scale and the steady-state
-        bubble. A collective."""
+        compression ratio, this rank's model-state bytes, the loss scale, the steady-state
+        bubble and the steady-state gradient communication overlap (:meth:`comm_overlap`). A
+        collective."""
         sync, steps = self.pm.sync, max(1, self.speed.total[0])
         summary = {
             **run, **self.speed.overall(), "world_size": dist.get_world_size(),
@@ -329,6 +346,8 @@ class TrainingMetrics:
             # The first step of a process also agrees the transfer shapes: not a steady-state step.
             steady = self.bubbles[1:] or self.bubbles
             summary["bubble_fraction"] = sum(steady) / len(steady)
+        # Without a process's first step, which also builds what is built lazily.
+        summary.update(self.comm_overlap(self.comm_steps[1:] or self.comm_steps))
         return summary
 
     def write(self, run_dir: Path, summary: dict[str, Any], step: int) -> None:

@@ -35,6 +35,7 @@ from loomtrain.models import Transformer, count_params
 from loomtrain.models.parallelize import parallelize_llama
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.preflight import check_once
+from loomtrain.profiling import StepProfiler
 from loomtrain.run_dir import prepare_run_dir
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,9 @@ class Trainer:
         """Train to ``training.steps``; returns the summary written to ``summary.json``."""
         t, ck = self.cfg.training, self.cfg.checkpoint
         loss, val_loss = float("nan"), None
+        self.profiler = StepProfiler(self.cfg, self.device, self.start_step, self.events)
         while self.step < t.steps:
+            self.profiler.step(self.step + 1)
             self._change_speed()
             set_lr(self.optimizer, lr_at(self.step, t))
             micro_batches = self.loader.next_step(self.balancer.split if self.balancer else None)
@@ -224,6 +227,7 @@ class Trainer:
                 self._save()
             if self.preemption.agreed(self.device):
                 return self._stop_for_preemption()
+        self.profiler.close()
         self.ckpt.finalize()
         if val_loss is None:
             val_loss = evaluate(self.pm, self.data, self.cfg, self.device)
@@ -294,6 +298,7 @@ class Trainer:
         return {"final_step": self.step, "start_step": self.start_step, "preempted": True}
 
     def _close_records(self) -> None:
+        self.profiler.close()  # a preempted run writes the steps it traced
         self.metrics.writer.close()
         self.samples.close()
 

@@ -1,34 +1,36 @@
 """``training.compile=true`` (each transformer block's forward compiled by inductor) against
-eager execution of the same layout: the losses of 5 AdamW steps agree within 1e-4 relative
-(fp32; inductor fuses and reorders floating-point operations, so the last bits differ and
-five optimizer steps carry that forward; a wrong gradient moves the loss by far more already
-at step 2).
+eager execution of the same layout: the losses of 5 AdamW steps and of an evaluation after
+them agree within 1e-4 relative (fp32; inductor fuses and reorders floating-point operations,
+so the last bits differ and five optimizer steps carry that forward; a wrong gradient moves
+the loss by far more already at step 2).
 
 Compiling takes tens of seconds per distinct block graph on this machine, so ``make test``
 runs one case, the composition with the most moving parts (ZeRO-3's parameter gathering
 around a compiled block that full activation checkpointing recomputes, over dp 2); the rest
 (plain dp, tp 2, tp 2 with Megatron sequence parallelism, pp 2, Ulysses, selective
-recomputation) are ``slow``. Skipped where inductor finds no C++ compiler.
+recomputation) are ``slow``. They skip where inductor finds no C++ compiler; that a missing
+compiler stops the run with a ``ConfigError`` is tested everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from loomtrain.config import load_config
+from loomtrain.config import ConfigError, load_config
 from loomtrain.distributed.data_parallel import AllReduceHook
 from loomtrain.distributed.parallel_dims import ParallelDims
 from loomtrain.models import Transformer
-from loomtrain.models.parallelize import cpp_compiler, parallelize_llama
+from loomtrain.models.parallelize import compile_blocks, cpp_compiler, parallelize_llama
 from loomtrain.trainer import train_step
 from tests.distributed.checks import check_result, run_checks, spawn_once
 from tests.distributed.test_pipeline import batches
 
-pytestmark = pytest.mark.skipif(
+needs_compiler = pytest.mark.skipif(
     cpp_compiler() is None, reason="no C++ compiler ($CXX or g++) for inductor's CPU kernels"
 )
 
@@ -52,8 +54,8 @@ SLOW = {
 
 
 def losses(extra: list[str], compiled: bool) -> dict:
-    """Losses of ``STEPS`` AdamW steps of the layout ``extra``, eager or compiled; how many
-    graphs dynamo had compiled after each step, and its graph breaks."""
+    """Losses of ``STEPS`` AdamW steps of the layout ``extra``, eager or compiled, then an
+    evaluation loss; how many graphs dynamo had compiled after each, and its graph breaks."""
     torch._dynamo.reset()  # each case compiles afresh: no recompilation limit carried over
     torch._dynamo.utils.counters.clear()
     cfg = load_config(None, [*BASE, *extra, f"--training.compile={str(compiled).lower()}"])
@@ -69,6 +71,9 @@ def losses(extra: list[str], compiled: bool) -> dict:
         micro = batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
         out.append(train_step(pm, optimizer, micro, cfg, CPU))
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    micro = batches(STEPS, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
+    out.append(pm.eval_loss(micro, contextlib.nullcontext, CPU))  # without gradients: eager, no new graph
+    graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return {"losses": out, "graphs": graphs, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
 
 
@@ -91,13 +96,16 @@ def _assert_compiled_equals_eager(results, name: str) -> None:
         eager = check_result(results, f"{name}/eager", rank)
         compiled = check_result(results, f"{name}/compiled", rank)
         assert eager["graphs"][-1] == 0 and compiled["graphs"][0] >= 1, (name, rank)
-        # All compiling happens in the first step; later steps reuse it (no guard fails every call).
+        # All compiling happens in the first step; later steps reuse it (no guard fails every
+        # call) and evaluation, without gradients, runs eager.
         assert compiled["graphs"][-1] == compiled["graphs"][0], (name, rank, compiled["graphs"])
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=RTOL), (name, rank)
 
 
+@needs_compiler
 def test_compiled_zero3_with_recomputation_equals_eager():
-    """Catches: ``training.compile`` ignored (no graph compiled), or recompiling at every step; a
+    """Catches: ``training.compile`` ignored (no graph compiled), recompiling at every step or
+    for evaluation; a
     compiled block that ZeRO-3's hooks cannot gather parameters into (dynamo guarding on the
     sharded masters, or the hooks traced into the graph), a compiled forward that activation
     checkpointing cannot recompute, and a compiled block whose gradients differ from eager ones."""
@@ -105,6 +113,7 @@ def test_compiled_zero3_with_recomputation_equals_eager():
     _assert_compiled_equals_eager(results, "dp2_zero3_full")
 
 
+@needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW))
 def test_compiled_layouts_equal_eager(name):
@@ -114,3 +123,13 @@ def test_compiled_layouts_equal_eager(name):
     with Ulysses' all-to-alls, or with an attention core recomputed inside the compiled graph."""
     results = spawn_once(run_cases, 2, "slow", timeout_s=1800)
     _assert_compiled_equals_eager(results, name)
+
+
+def test_missing_compiler_is_a_config_error():
+    """Catches: ``training.compile=true`` on a CPU without a C++ compiler failing deep inside
+    inductor at the first step, instead of at start with the field named."""
+    model = Transformer(load_config(None, BASE).model)
+    with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-c++-compiler")}):
+        assert cpp_compiler() is None
+        with pytest.raises(ConfigError, match="training.compile=true"):
+            compile_blocks(model)

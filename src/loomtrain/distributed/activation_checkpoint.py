@@ -33,8 +33,8 @@ def apply_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
 
     In forward only the module's tensor arguments are saved; the first time backward needs a
     tensor saved inside, the module's forward runs again (non-reentrant ``torch.utils.checkpoint``,
-    RNG state of the forward restored). Hooks registered on the module run once, in forward,
-    outside the recomputed region.
+    RNG state of the forward restored). Hooks registered on the module itself run once, in
+    forward, outside the recomputed region; its children's hooks are inside it and run again.
 
     The recomputation uses the parameter tensors the forward used, even if other code has
     registered different ones in the module since (ZeRO puts its full parameters in for a
@@ -42,7 +42,9 @@ def apply_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
     gradients reach the tensors autograd recorded.
 
     Apply it after anything that replaces the modules or their children (tensor and sequence
-    parallelism) and before anything that hooks onto them (data parallelism, ZeRO).
+    parallelism) and before anything that hooks onto them (data parallelism, ZeRO). The wrapped
+    ``forward`` belongs to the module it was applied to: a ``copy.deepcopy`` of the module
+    would still run the original's, so copy first.
 
     Raises:
         ValueError: a module is already checkpointed (wrapping twice would recompute twice).
@@ -85,7 +87,8 @@ def _registered(registrations: list[Registration]) -> Iterator[None]:
 
 class SavedTensorCounter:
     """Counts the bytes autograd saves for backward while the context is active: the activation
-    memory a forward leaves behind (``torch.autograd.graph.saved_tensors_hooks``).
+    memory a forward leaves behind (``torch.autograd.graph.saved_tensors_hooks``; PyTorch's
+    "Hooks for saved tensors" notes: every tensor an operation saves passes the pack hook).
 
     Each saved tensor is counted by its storage, once (views and tensors saved by several
     operations share one), at the storage's full size in bytes. Storages of ``exclude``

@@ -18,6 +18,7 @@ protocol of ``sync.py``.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -269,6 +270,7 @@ class GradientSynchronizer(GradientSync):
 
     def _grad_ready_callback(self, bucket: GradBucket, i: int):
         def on_ready(p: nn.Parameter) -> None:
+            self.overlap.poll()
             view = bucket.grad_view(i)
             if p.grad.data_ptr() != view.data_ptr():
                 # A fresh .grad (first backward, or grads were set to None): adopt the
@@ -297,7 +299,9 @@ class GradientSynchronizer(GradientSync):
             self._launch(bucket)
 
     def _launch(self, bucket: GradBucket) -> None:
+        start = time.perf_counter()
         self._futures.append(self.hook.reduce(bucket, self.group))
+        self.overlap.launched(self._futures[-1], start)
         self._next_launch += 1
 
     def finish_gradient_sync(self) -> None:
@@ -307,6 +311,7 @@ class GradientSynchronizer(GradientSync):
         whatever earlier micro-batches accumulated, zero if none); it is named once in a
         warning. Afterwards every parameter's ``.grad`` is the rank-averaged gradient.
         """
+        self.overlap.compute_ended()
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
             self._adopt_missing(bucket)
@@ -321,6 +326,7 @@ class GradientSynchronizer(GradientSync):
         self._futures.clear()
         self._next_launch = 0
         self.hook.on_step_end()
+        self.overlap.synced()
 
     def _adopt_missing(self, bucket: GradBucket) -> None:
         missing = [i for i in range(len(bucket.params)) if i not in bucket.ready]

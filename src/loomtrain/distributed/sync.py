@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loomtrain.distributed.mixed_precision import DynamicLossScaler
+from loomtrain.profiling import CommOverlap
 
 
 class GradientSync(ABC):
@@ -36,6 +37,7 @@ class GradientSync(ABC):
         blocked_s: running total of seconds blocked on collectives inside forward and backward.
         group: the ranks whose gradients are averaged (``ParallelDims.grad_mesh``).
         scaler: the fp16 dynamic loss scaler, or ``None``.
+        overlap: times the gradient reductions against backward (host clock; off on CUDA).
     """
 
     _sync = True
@@ -50,6 +52,7 @@ class GradientSync(ABC):
         # Seconds spent blocked on collectives inside forward and backward (ZeRO-3's parameter
         # gathers wait for the slowest rank): a speed monitor takes them out of compute time.
         self.blocked_s = 0.0
+        self.overlap = CommOverlap(enabled=device.type == "cpu")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

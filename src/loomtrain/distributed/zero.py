@@ -167,6 +167,7 @@ class ZeroSynchronizer(GradientSync):
             self._start_gather(self.units[prev])
 
     def _on_grad(self, unit: Unit) -> None:
+        self.overlap.poll()
         unit.produced += 1
         if unit.produced < len(unit.slots):
             return
@@ -196,11 +197,13 @@ class ZeroSynchronizer(GradientSync):
             self._warned_unused = True
             log.warning("parameters without a gradient this step (reduced as zeros): %s", ", ".join(missing))
         bucket = GradBucket(unit.index, flat, [], [], [], matrices=matrices)
+        start = time.perf_counter()
         if self.stage == 1:
             unit.reduced = (self.hook.reduce(bucket, self.group), None)
         else:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
             unit.reduced = (self.hook.reduce_scatter(flat, out, self.shard_group, bucket), out)
+        self.overlap.launched(unit.reduced[0], start)
         self._next_launch += 1
 
     def finish_gradient_sync(self) -> None:
@@ -209,6 +212,7 @@ class ZeroSynchronizer(GradientSync):
         shard over the replica groups). Each master's ``.grad`` is then this rank's fp32 shard
         of the rank-averaged gradient (a DTensor placed like the master): right away with fp32
         ``reduce_dtype``, otherwise from :meth:`prepare_step` on, until :meth:`zero_grad`."""
+        self.overlap.compute_ended()
         order = self._reduce_order()
         while self._next_launch < len(order):
             self._launch(order[self._next_launch])
@@ -222,6 +226,7 @@ class ZeroSynchronizer(GradientSync):
         self.hook.on_step_end()
         if self.mp.reduce_dtype == torch.float32:
             self._set_master_grads()  # views of the reduced shards, no copy: nothing to defer
+        self.overlap.synced()
 
     def _wait_reduced(self, unit: Unit) -> torch.Tensor:
         """This rank's part of ``unit``'s averaged gradient, once its reduction is done."""

@@ -184,8 +184,6 @@ def _split_module(module: nn.Module, prefix: str, columns, rows, group, comm: di
     """Column-split ``columns``, row-split ``rows``; the module's input enters the parallel
     region once, in a forward pre-hook, for all the column layers that read it."""
 
-    # Eager under torch.compile, like every collective here (see compile_blocks).
-    @torch.compiler.disable
     def enter(_module: nn.Module, args: tuple) -> tuple:
         return (enter_parallel_region(args[0], group, **comm), *args[1:])
 
@@ -273,9 +271,11 @@ def block_activation_bytes(cfg: Config, mode: str, tp: int = 1, bytes_per_elemen
       of the rotated ones, and the softmax, its dropout mask and the dropped scores.
 
     Raises:
-        ValueError: an unknown ``mode``.
+        ValueError: an unknown ``mode``, or a ``tp`` that does not divide the head counts.
     """
     m, t = cfg.model, cfg.training
+    if m.n_heads % tp or m.kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide model.n_heads={m.n_heads} and n_kv_heads={m.kv_heads}")
     b, s, h = t.micro_batch_size, t.seq_len, m.dim
     a, hq, k, f = m.n_heads // tp, m.dim // tp, m.kv_heads * m.head_dim // tp, -(-m.hidden_dim // tp)
     if mode == "full":
@@ -302,12 +302,15 @@ def cpp_compiler() -> str | None:
 
 def compile_blocks(model: Transformer) -> None:
     """``torch.compile`` (inductor) the forward of every transformer block this rank holds, in
-    place. All blocks share the compiled code, built at the first forward (and again for
-    evaluation, which runs without gradients).
+    place, for the forwards that record gradients (training, and its recomputation). All blocks
+    share the compiled code, built at the first training step. Forwards without gradients
+    (evaluation, sampling) stay eager: each would need graphs of its own (sampling one per
+    shape until dynamo makes the length dynamic), tens of seconds of compiling on CPU for a
+    small part of a run's work.
 
     The block's call and its hooks stay eager (ZeRO's gathering around it). So do the layers
-    that communicate inside it, tensor parallelism's and Ulysses' collectives: they are
-    ``torch.autograd.Function`` s that count their bytes in Python, which dynamo would trace as
+    and hooks that communicate inside it, tensor parallelism's and Ulysses' collectives: they
+    are ``torch.autograd.Function`` s that count their bytes in Python, which dynamo would trace as
     side effects, guard on the counts and recompile at every call; disabled, each is a graph
     break, and the code between them is compiled once.
 
@@ -320,18 +323,32 @@ def compile_blocks(model: Transformer) -> None:
             "install one or set training.compile=false"
         )
     for block in model.layers.values():
-        for module in block.modules():
-            if _communicates(module):
-                module.forward = torch.compiler.disable(module.forward)
-        block.forward = torch.compile(block.forward)
+        _keep_collectives_eager(block)
+        block.forward = _compiled_with_gradients(block.forward)
 
 
-def _communicates(module: nn.Module) -> bool:
-    """Whether ``module``'s forward issues a collective (the region entry hooks of
-    :func:`_split_module` are eager already)."""
-    if isinstance(module, ColumnParallelLinear):
-        return module.enter_input
-    return isinstance(module, RowParallelLinear | UlyssesAttention)
+def _keep_collectives_eager(block: nn.Module) -> None:
+    """``torch.compiler.disable`` the forwards inside ``block`` that issue collectives
+    (row-parallel linears, column-parallel ones that gather their input, Ulysses' attention)
+    and the forward pre-hooks of its submodules (tensor parallelism's region entries, the only
+    ones there)."""
+    for module in block.modules():
+        gathers = isinstance(module, ColumnParallelLinear) and module.enter_input
+        if gathers or isinstance(module, RowParallelLinear | UlyssesAttention):
+            module.forward = torch.compiler.disable(module.forward)
+        if module is not block:
+            hooks = module._forward_pre_hooks
+            for key, hook in hooks.items():
+                hooks[key] = torch.compiler.disable(hook)
+
+
+def _compiled_with_gradients(forward):
+    compiled = torch.compile(forward)
+
+    def forward_or_compiled(*args, **kwargs):
+        return (compiled if torch.is_grad_enabled() else forward)(*args, **kwargs)
+
+    return forward_or_compiled
 
 
 def split_pipeline(model: Transformer, dims: ParallelDims, cfg: Config) -> dict[int, list[str]]:
