@@ -57,13 +57,13 @@ def final_weights(run: Path, steps: int) -> dict[str, torch.Tensor]:
 
 def test_killed_rank_restarts_and_ends_with_the_uninterrupted_parameters(tmp_path):
     """Catches: a restart that does not resume, resumes from the wrong step, or loses state."""
-    common = ["--training.steps=60", "--checkpoint.interval=20", "--run.name=job"]
+    common = ["--training.steps=40", "--checkpoint.interval=10", "--run.name=job"]
     proc = start_cli("--nproc", "2", "--elastic", "--max-restarts", "2", f"--run.out_dir={tmp_path}/a", *common)
-    wait_for_step(tmp_path / "a" / "job", 30, proc)
+    wait_for_step(tmp_path / "a" / "job", 15, proc)
     os.kill(local_worker_pids(str(tmp_path / "a"))[-1], signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, proc.stderr.read()
     spawn(run_train, 2, [*SLOW, *common, f"--run.out_dir={tmp_path}/b"], timeout_s=240)
-    got, want = final_weights(tmp_path / "a" / "job", 60), final_weights(tmp_path / "b" / "job", 60)
+    got, want = final_weights(tmp_path / "a" / "job", 40), final_weights(tmp_path / "b" / "job", 40)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     kinds = [e["event"] for e in events(tmp_path / "a" / "job")]
@@ -111,26 +111,26 @@ def samples_by_step(run: Path) -> dict[int, list[int]]:
 
 def test_resume_on_another_world_size_keeps_losses_and_sample_order(tmp_path):
     """Catches: a data position that depends on the world size (skipped or repeated samples),
-    or ZeRO-3 sharded model/optimizer state that does not survive resharding."""
+    or ZeRO-3 sharded model/optimizer state that does not survive resharding. A 2-process run
+    grows to 4 processes at step 5, and that run shrinks back to 2 at step 10; both continue as
+    the 2-process run does (losses within 1e-5 relative: the world size only reorders sums)."""
 
     def run(name: str, world: int, *extra: str) -> None:
-        overrides = [*TINY, "--metrics.record_samples=true", "--checkpoint.keep_last=4", "--training.steps=20",
+        overrides = [*TINY, "--metrics.record_samples=true", "--checkpoint.keep_last=4", "--training.steps=15",
                      "--data_parallel.zero_stage=3", f"--run.out_dir={tmp_path}", f"--run.name={name}",
                      *extra]  # fmt: skip
         spawn(run_train, world, overrides, timeout_s=180)
 
     run("whole2", 2)
-    run("whole4", 4)
-    run("grow", 4, f"--checkpoint.resume={tmp_path}/whole2/checkpoints/step_00000010")
-    run("shrink", 2, f"--checkpoint.resume={tmp_path}/whole4/checkpoints/step_00000010")
-    planned = planned_samples(tmp_path / "whole2", 20)
-    for name in ("whole2", "whole4"):
-        assert samples_by_step(tmp_path / name) == planned, name
-    for name in ("grow", "shrink"):
-        assert samples_by_step(tmp_path / name) == {s: planned[s] for s in range(11, 21)}, name
-    for changed, same_world in (("grow", "whole4"), ("shrink", "whole2")):
-        got, want = losses(tmp_path / changed), losses(tmp_path / same_world)
-        assert sorted(got) == list(range(11, 21))
+    run("grow", 4, f"--checkpoint.resume={tmp_path}/whole2/checkpoints/step_00000005")
+    run("shrink", 2, f"--checkpoint.resume={tmp_path}/grow/checkpoints/step_00000010")
+    planned = planned_samples(tmp_path / "whole2", 15)
+    assert samples_by_step(tmp_path / "whole2") == planned
+    want = losses(tmp_path / "whole2")
+    for changed, first in (("grow", 6), ("shrink", 11)):
+        assert samples_by_step(tmp_path / changed) == {s: planned[s] for s in range(first, 16)}, changed
+        got = losses(tmp_path / changed)
+        assert sorted(got) == list(range(first, 16))
         for s in got:
             assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (changed, s, got[s], want[s])
         kinds = [e["event"] for e in events(tmp_path / changed)]

@@ -127,7 +127,12 @@ def two_way(tmp_path_factory):
 # whether the others work.
 @pytest.mark.parametrize(
     "axis, world, extra",
-    [("tp", 1, []), ("pp", 1, []), ("pp", 4, ["--parallel.pipeline_parallel_degree=2"])],
+    [
+        ("tp", 1, []),
+        # Slow (make test-all): pp2_to_pp2_dp2 loads the same pipeline checkpoint in make test.
+        pytest.param("pp", 1, [], marks=pytest.mark.slow),
+        ("pp", 4, ["--parallel.pipeline_parallel_degree=2"]),
+    ],
     ids=["tp2_to_one", "pp2_to_one", "pp2_to_pp2_dp2"],
 )
 def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, two_way, axis, world, extra):
