@@ -24,7 +24,7 @@ from loomtrain.cluster.cli import cluster_parser, cmd_cluster
 from loomtrain.config import Config, ConfigError, load_config
 from loomtrain.distributed.parallel_dims import launch_env
 from loomtrain.interop.hf import resolve_init_from
-from loomtrain.launch import ElasticSpec, launch
+from loomtrain.launch import ElasticSpec, die_with_parent, launch
 from loomtrain.preflight import check_launch, check_world
 from loomtrain.run_dir import apply_overwrite
 
@@ -95,7 +95,7 @@ def _elastic_spec(args: argparse.Namespace, cfg: Config) -> ElasticSpec | None:
 def cmd_train(argv: list[str]) -> int:
     args, overrides, cfg = _parse_train_args(argv)
     if _inside_launcher():
-        _die_with_parent()
+        die_with_parent()
         return _run_worker(cfg)
     if args.cluster is not None:
         return _train_on_cluster(args, overrides, cfg)
@@ -157,20 +157,6 @@ def _train_on_cluster(args: argparse.Namespace, overrides: list[str], cfg: Confi
     elastic = _cluster_elastic_spec(args, cfg, hosts, nproc)
     worker = ["-m", "loomtrain.cli", "train", *_worker_argv(args, overrides, cfg, elastic)]
     return launch_cluster(cluster, worker, elastic, cfg.run_dir, f"loomtrain-{cfg.run.name}")
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to end this worker if its parent (the torchrun agent) dies, even by SIGKILL,
-    so a killed launcher never leaves workers training on their own."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before the request took effect
-        sys.exit(1)
 
 
 def _run_worker(cfg: Config) -> int:

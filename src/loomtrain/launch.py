@@ -138,6 +138,21 @@ def launch_cluster(cluster: Cluster, worker: list[str], elastic: ElasticSpec | N
     return run_agents(cluster_commands(cluster, worker, elastic, run_id), _agent_env(True), run_dir)
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, even by SIGKILL (prctl(2),
+    ``PR_SET_PDEATHSIG``; kept across exec). Chained launcher → torchrun agent → workers, so a
+    killed ``loomtrain train`` leaves no process of its job behind (issue #23, item 2). Exits
+    at once if the parent is already gone (re-parented to init). No-op off Linux."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
+
+
 def run_agents(cmds: list[list[str]], env: dict[str, str], run_dir: Path | None) -> int:
     """Start the agents, forward SIGTERM/SIGINT to them, and wait.
 
@@ -148,7 +163,8 @@ def run_agents(cmds: list[list[str]], env: dict[str, str], run_dir: Path | None)
     vain) are stopped.
     """
     started = time.time()
-    procs = [subprocess.Popen(cmd, env=env) for cmd in cmds]
+    # preexec_fn runs in the child between fork and exec: the agent dies with this launcher.
+    procs = [subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent) for cmd in cmds]
     stop_requested = []
 
     def forward(signum, frame) -> None:

@@ -85,6 +85,43 @@ def test_sigterm_to_launcher_saves_a_checkpoint_and_exits_0(tmp_path):
     assert verify_checkpoint(latest) is None
 
 
+def job_pids(marker: str) -> list[int]:
+    """Every process but this one whose command line mentions ``marker`` (launcher, torchrun
+    agent, workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp_path):
+    """Catches (issue #23, item 2): ``kill -9`` of ``loomtrain train`` leaving its torchrun agent
+    and workers training on their own (the agent was not tied to the launcher), and a killed
+    run that cannot be resumed from its last checkpoint."""
+    out = f"--run.out_dir={tmp_path}"
+    proc = start_cli("--nproc", "2", "--training.steps=100000", "--checkpoint.interval=2", out)
+    run = tmp_path / "shakespeare_char"
+    wait_for_step(run, 5, proc)
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while job_pids(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = job_pids(str(tmp_path))
+    for pid in left:  # a failing run must not leave them training on the test machine
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "processes of the job outlived its launcher"
+    resume_from = int(find_latest_checkpoint(run / "checkpoints").name.removeprefix("step_"))
+    again = start_cli("--nproc", "2", f"--training.steps={resume_from + 1}", "--resume", "auto", out)
+    assert again.wait(timeout=120) == 0, again.stderr.read()
+    loaded = [e for e in events(run) if e["event"] == "checkpoint_loaded"]
+    assert loaded and loaded[-1]["step"] == resume_from, loaded
+
+
 def planned_samples(run: Path, steps: int) -> dict[int, list[int]]:
     """step → sorted sample ids of the global batch, as one process with no restart draws them."""
     cfg = load_config(run / "config.toml")
