@@ -25,7 +25,7 @@ from loomtrain.config import Config, ConfigError, load_config
 from loomtrain.distributed.parallel_dims import launch_env
 from loomtrain.interop.hf import resolve_init_from
 from loomtrain.launch import ElasticSpec, die_with_parent, launch
-from loomtrain.preflight import check_launch, check_world
+from loomtrain.preflight import check_launch, check_world, warn_if_oversubscribed
 from loomtrain.run_dir import apply_overwrite
 
 EXIT_USAGE = 2
@@ -101,7 +101,11 @@ def cmd_train(argv: list[str]) -> int:
         return _train_on_cluster(args, overrides, cfg)
     if args.min_nodes is not None:
         raise ConfigError("--min-nodes counts hosts of an emulated cluster; use it with --cluster")
+    if cfg.distributed.rendezvous != "c10d":
+        raise ConfigError("--distributed.rendezvous=etcd runs one etcd member per host of an emulated cluster; "
+                          "use it with --cluster, or drop it")  # fmt: skip
     check_launch(cfg, args.nproc)
+    warn_if_oversubscribed(args.nproc)
     elastic = _elastic_spec(args, cfg)
     if args.nproc == 1 and elastic is None:
         return _run_worker(cfg)
@@ -111,11 +115,13 @@ def cmd_train(argv: list[str]) -> int:
 
 def _worker_argv(args: argparse.Namespace, overrides: list[str], cfg: Config, elastic: ElasticSpec | None) -> list[str]:
     config_args = [] if args.config is None else ["--config", args.config]
+    # The launcher applies --overwrite once, before it opens its debug logs in the run directory:
+    # neither a worker nor a restart deletes the run.
+    apply_overwrite(cfg)
+    overrides = [o for o in overrides if not o.startswith("--run.overwrite=")] + ["--run.overwrite=false"]
     if elastic is not None:
-        # Every attempt, the first included, resumes from whatever checkpoint exists; the
-        # launcher applies --overwrite once, so a restart never deletes the run.
-        apply_overwrite(cfg)
-        overrides = [o for o in overrides if not o.startswith(("--checkpoint.resume=", "--run.overwrite="))]
+        # Every attempt, the first included, resumes from whatever checkpoint exists.
+        overrides = [o for o in overrides if not o.startswith("--checkpoint.resume=")]
         overrides.append("--checkpoint.resume=auto")
     return config_args + overrides
 
@@ -156,7 +162,8 @@ def _train_on_cluster(args: argparse.Namespace, overrides: list[str], cfg: Confi
     check_launch(cfg, hosts * nproc)
     elastic = _cluster_elastic_spec(args, cfg, hosts, nproc)
     worker = ["-m", "loomtrain.cli", "train", *_worker_argv(args, overrides, cfg, elastic)]
-    return launch_cluster(cluster, worker, elastic, cfg.run_dir, f"loomtrain-{cfg.run.name}")
+    run_id = f"loomtrain-{cfg.run.name}"
+    return launch_cluster(cluster, worker, elastic, cfg.run_dir, run_id, cfg.distributed.rendezvous)
 
 
 def _run_worker(cfg: Config) -> int:

@@ -296,7 +296,10 @@ class TrainingConfig(_Section):
         250, ge=1, description="Steps between validation-loss evaluations; the last step is always evaluated."
     )
     eval_batches: int = Field(
-        20, ge=1, description="Validation micro-batches per data-parallel rank in each evaluation."
+        20,
+        ge=1,
+        description="Validation micro-batches of training.micro_batch_size sequences in each evaluation, shared "
+        "out among the data-parallel ranks (the same samples at any world size).",
     )
     log_interval: int = Field(
         10,
@@ -606,6 +609,13 @@ class DistributedConfig(_Section):
         ),
     )
     probe_budget_s: float = Field(3.0, gt=0, description="Seconds the start-up link probe may take in all.")
+    rendezvous: Literal["c10d", "etcd"] = Field(
+        "c10d",
+        description=(
+            "Rendezvous of a `--cluster` launch: `c10d` is served by host 0 (the job dies with it); `etcd` runs"
+            " one etcd member per host (3 or more hosts), so the job survives the loss of any one host."
+        ),
+    )
 
 
 class BalanceConfig(_Section):

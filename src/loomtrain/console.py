@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
 
 from tqdm import tqdm
+
+from loomtrain.agent_log import TTY_ENV
 
 
 def choose_mode(log_format: str, progress_bar: bool, stderr_is_tty: bool) -> str:
@@ -25,6 +28,13 @@ def choose_mode(log_format: str, progress_bar: bool, stderr_is_tty: bool) -> str
     if log_format == "json":
         return "json"
     return "bar" if progress_bar and stderr_is_tty else "lines"
+
+
+def stderr_is_terminal() -> bool:
+    """Whether what this process writes to stderr ends on a terminal: its own stderr is one, or
+    ``loomtrain train``'s launcher, which pipes the workers' output through itself, says its is
+    (``LOOMTRAIN_CONSOLE_IS_TTY=1``)."""
+    return sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1"
 
 
 def format_eta(seconds: float) -> str:
@@ -71,7 +81,7 @@ class Console:
 
     def __init__(self, total_steps: int, start_step: int, log_format: str, progress_bar: bool):
         self.total, self.start_step, self.step = total_steps, start_step, start_step
-        self.mode = choose_mode(log_format, progress_bar, sys.stderr.isatty())
+        self.mode = choose_mode(log_format, progress_bar, stderr_is_terminal())
         self.started = time.monotonic()
         self._bar = None
         if self.mode == "bar":

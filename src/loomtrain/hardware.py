@@ -2,18 +2,21 @@
 
 MFU is the achieved model FLOP/s divided by the device's peak (Chowdhery et al., "PaLM" 2022,
 Appendix B). The peak of a known GPU comes from its vendor's datasheet; a CPU, or a GPU not in
-the table, is measured once with a matmul benchmark and the result cached on disk.
+the table, is measured with a matmul benchmark (best of many short tries that ran undisturbed),
+cached on disk for :data:`CACHE_MAX_AGE_DAYS` days and, on a CPU, checked against the cores'
+theoretical FMA peak (:func:`cpu_fma_bound`). :class:`Peak` says which figure was used and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import platform
 import tempfile
 import time
 import warnings
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -65,10 +68,20 @@ GPU_PEAKS: tuple[tuple[str, GpuPeak], ...] = (
     ("MI300X", GpuPeak(1307.4, 1307.4, 653.7, 163.4)),
 )
 
-BENCH_MIN_SECONDS = 0.01
+# A measured peak is re-measured after this many days (a new kernel, BIOS or host may change it).
+CACHE_MAX_AGE_DAYS = 30
+# Short tries fit between the scheduler's preemptions of a shared core: on this project's 2-core VM
+# under load, ~60 % of 3 ms tries ran undisturbed against 1 in 22 of 25 ms tries.
+BENCH_MIN_SECONDS = 0.002
 BENCH_MAX_SIZE = 8192
-BENCH_WARMUP = 2
-BENCH_REPEATS = 5
+BENCH_BUDGET_S = 0.5
+BENCH_MIN_TRIES = 5
+# A try whose threads held their cores for this share of its wall time ran undisturbed.
+UNDISTURBED_SHARE = 0.95
+# A measured figure below this fraction of the FMA bound is not a peak: a loaded machine or a slow kernel.
+IMPLAUSIBLY_LOW = 0.25
+# A doubtful measurement below this fraction of an earlier cached figure does not replace it.
+FAR_BELOW = 0.8
 
 
 def gpu_peak_flops_per_s(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
@@ -94,15 +107,83 @@ def gpu_peak_flops_per_s(name: str, dtype: torch.dtype, tf32: bool) -> float | N
     return None
 
 
-def peak_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak dense matmul throughput of one ``device`` for inputs of ``dtype``, in FLOP/s.
+class FmaBound(NamedTuple):
+    """Theoretical fp32 peak of the cores one process computes on: cores × clock × FLOP/cycle.
+
+    Attributes:
+        flops_per_s: FLOP/s, or ``None`` where it cannot be derived (``basis`` says why).
+        basis: how it was derived (cores, clock and its source, FLOP/cycle and the unit), or why not.
+        at_max_clock: the clock is the cpufreq maximum (a true upper bound); False: the clock
+            /proc/cpuinfo reports, which a boost may exceed (a virtual machine shows no maximum).
+    """
+
+    flops_per_s: float | None
+    basis: str
+    at_max_clock: bool = False
+
+
+class Measurement(NamedTuple):
+    """A matmul benchmark: best FLOP/s, and whether it came from a try that ran undisturbed."""
+
+    flops_per_s: float
+    undisturbed: bool
+    tries: int
+
+
+class CacheEntry(NamedTuple):
+    """A cached measured peak: FLOP/s and when it was measured (UTC ISO 8601; None: unknown)."""
+
+    flops_per_s: float
+    measured_at: str | None
+
+
+class Peak(NamedTuple):
+    """The peak MFU is computed against and where it came from.
+
+    Attributes:
+        flops_per_s: FLOP/s.
+        source: ``"datasheet"`` (a known GPU), ``"measured"`` (by this process, now) or
+            ``"cached"`` (measured earlier, read from :func:`cache_path`).
+        measured_at: UTC ISO 8601 time of the measurement (None for a datasheet figure).
+        bound: the CPU's theoretical FMA peak (None off the CPU).
+        note: why a figure was not cached, kept or capped; empty otherwise.
+    """
+
+    flops_per_s: float
+    source: str
+    measured_at: str | None = None
+    bound: FmaBound | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        """One line: ``85.4 GFLOP/s (measured 2025-06-01; FMA bound 78.3 GFLOP/s: …)``."""
+        when = f" {self.measured_at[:10]}" if self.measured_at else ""
+        parts = [f"{self.source}{when}"]
+        if self.bound is not None:
+            figure = "not derived" if self.bound.flops_per_s is None else f"{self.bound.flops_per_s / 1e9:.1f} GFLOP/s"
+            parts.append(f"FMA bound {figure}: {self.bound.basis}")
+        if self.note:
+            parts.append(self.note)
+        return f"{self.flops_per_s / 1e9:.1f} GFLOP/s ({'; '.join(parts)})"
+
+    def as_dict(self) -> dict:
+        """For ``summary.json``: source, measured_at, the bound and its basis, the note."""
+        bound = self.bound or FmaBound(None, "no FMA bound off the CPU")
+        return {"source": self.source, "measured_at": self.measured_at, "fma_bound_flops_per_s": bound.flops_per_s,
+                "fma_bound_basis": bound.basis, "note": self.note}  # fmt: skip
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
+    """Peak dense matmul throughput of one ``device`` for inputs of ``dtype``, and its source.
 
     CUDA/ROCm GPUs in :data:`GPU_PEAKS` get their datasheet figure. Any other device (a CPU,
-    an unknown GPU, with a warning for the latter) is measured once with square matmuls in
-    the current process's thread count, and the figure is cached in a JSON file
-    (``$LOOMTRAIN_CACHE_DIR/peak_flops.json``, default ``~/.cache/loomtrain``) keyed by device
-    name, torch version, dtype and thread count. A measured peak is what this process can
-    reach, not the chip's theoretical peak, so MFU against it reads higher.
+    an unknown GPU, with a warning for the latter) is measured (:func:`measure_matmul_peak`) in
+    the current process's thread count and cached in ``$LOOMTRAIN_CACHE_DIR/peak_flops.json``
+    (default ``~/.cache/loomtrain``), keyed by device name, torch version, dtype and thread
+    count, for :data:`CACHE_MAX_AGE_DAYS`; :func:`settle` decides what a new measurement
+    replaces. A measured peak is what this process can reach, not the chip's theoretical peak,
+    so MFU against it reads higher; on a CPU the theoretical FMA peak (:func:`cpu_fma_bound`)
+    bounds it.
     """
     device = torch.device(device)
     name = device_name(device)
@@ -110,20 +191,70 @@ def peak_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
         tf32 = torch.get_float32_matmul_precision() != "highest"
         known = gpu_peak_flops_per_s(name, dtype, tf32)
         if known is not None:
-            return known
+            return Peak(known, "datasheet")
         warnings.warn(
             f"no datasheet peak for GPU {name!r} in {dtype}; measuring it, add it to "
             "loomtrain.hardware.GPU_PEAKS for a true MFU",
             stacklevel=2,
         )
-    key = f"{name}|torch={torch.__version__}|{dtype}|threads={torch.get_num_threads()}"
-    path = cache_path()
-    cached = _read_cache(path).get(key)
-    if cached is not None:
-        return float(cached)
-    measured = measure_matmul_flops_per_s(device, dtype)
-    _write_cache(path, key, measured)
-    return measured
+    key = cache_key(name, dtype)
+    path, now = cache_path(), datetime.now(UTC)
+    bound = cpu_fma_bound(dtype, torch.get_num_threads()) if device.type == "cpu" else None
+    previous = _read_cache(path).get(key)
+    if previous is not None and is_fresh(previous, now):
+        return Peak(previous.flops_per_s, "cached", previous.measured_at, bound)
+    peak, keep = settle(previous, measure_matmul_peak(device, dtype), bound, now)
+    if keep:
+        _write_cache(path, key, CacheEntry(peak.flops_per_s, peak.measured_at))
+    return peak
+
+
+def cache_key(name: str, dtype: torch.dtype) -> str:
+    """The cache key of a measured peak: device name, torch version (a new version may bring new
+    kernels), dtype and this process's thread count."""
+    return f"{name}|torch={torch.__version__}|{dtype}|threads={torch.get_num_threads()}"
+
+
+def peak_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
+    """:func:`device_peak`'s FLOP/s alone."""
+    return device_peak(device, dtype).flops_per_s
+
+
+def is_fresh(entry: CacheEntry, now: datetime) -> bool:
+    """Whether a cached peak is younger than :data:`CACHE_MAX_AGE_DAYS` (one of unknown age is not)."""
+    if entry.measured_at is None:
+        return False
+    return now - datetime.fromisoformat(entry.measured_at) < timedelta(days=CACHE_MAX_AGE_DAYS)
+
+
+def settle(previous: CacheEntry | None, m: Measurement, bound: FmaBound | None, now: datetime) -> tuple[Peak, bool]:
+    """The peak to use after measuring ``m``, and whether to cache it.
+
+    A figure above the FMA bound at the maximum clock is capped to it (the hardware cannot go
+    faster; the timer was wrong). A doubtful figure (:func:`doubt`) is never cached, and one
+    below :data:`FAR_BELOW` × an earlier cached figure does not replace it: that earlier figure
+    is used (source ``"cached"``). Otherwise the measured figure is used and cached.
+    """
+    stamp, figure, note = now.isoformat(timespec="seconds"), m.flops_per_s, ""
+    if bound is not None and bound.flops_per_s is not None and bound.at_max_clock and figure > bound.flops_per_s:
+        figure, note = bound.flops_per_s, f"capped: measured {m.flops_per_s / 1e9:.1f} GFLOP/s is above the bound"
+    reason = doubt(Measurement(figure, m.undisturbed, m.tries), bound)
+    if not reason:
+        return Peak(figure, "measured", stamp, bound, note), True
+    if previous is not None and figure < FAR_BELOW * previous.flops_per_s:
+        kept = f"kept: a new measurement, {figure / 1e9:.1f} GFLOP/s, {reason}"
+        return Peak(previous.flops_per_s, "cached", previous.measured_at, bound, kept), False
+    return Peak(figure, "measured", stamp, bound, f"not cached: {reason}"), False
+
+
+def doubt(m: Measurement, bound: FmaBound | None) -> str:
+    """Why ``m`` is not a trustworthy peak (empty if it is): no try ran undisturbed (the cores
+    were shared the whole time), or it is below :data:`IMPLAUSIBLY_LOW` × the FMA bound."""
+    if not m.undisturbed:
+        return f"none of {m.tries} tries had its cores to itself (a loaded machine)"
+    if bound is not None and bound.flops_per_s is not None and m.flops_per_s < IMPLAUSIBLY_LOW * bound.flops_per_s:
+        return f"below {IMPLAUSIBLY_LOW:.0%} of the FMA bound (a loaded machine or a slow kernel)"
+    return ""
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_s: float) -> float:
@@ -161,44 +292,148 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
+def parse_cpuinfo(text: str) -> list[dict[str, str]]:
+    """``/proc/cpuinfo`` (proc(5)) as one ``{field: value}`` per logical processor (blank-line separated)."""
+    cpus = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        cpus.append({k.strip(): v.strip() for k, v in fields.items()})
+    return [cpu for cpu in cpus if cpu]
+
+
+def fp32_flops_per_cycle(cpu: dict[str, str]) -> tuple[int | None, str]:
+    """fp32 FLOP per cycle of one core (FMA units × fp32 lanes × 2), from one ``parse_cpuinfo`` entry.
+
+    From the instruction-set flags, the vendor and the family, per the Intel 64 and IA-32
+    Architectures Optimization Reference Manual and AMD's Software Optimization Guides for
+    families 17h, 19h and 1Ah. Each figure is the most a part with those flags can issue, so an
+    upper bound (Intel AVX-512 parts with one FMA unit reach half).
+
+    Returns:
+        (FLOP/cycle, the units assumed), or (None, why it cannot be derived).
+    """
+    flags = set(cpu.get("flags", "").split())
+    amd = cpu.get("vendor_id") == "AuthenticAMD"
+    family, model = int(cpu.get("cpu family", "0")), int(cpu.get("model", "0"))
+    if "avx512f" in flags:
+        if amd and family < 0x1A:
+            return 32, "AVX-512 on 2×256-bit FMA, AMD Zen 4"
+        return 64, "2×512-bit FMA, AVX-512"
+    if {"avx2", "fma"} <= flags:
+        if amd and family == 0x17 and model < 0x30:
+            return 16, "2×128-bit FMA, AMD Zen/Zen+"
+        return 32, "2×256-bit FMA, AVX2"
+    if "avx" in flags:
+        return 16, "256-bit mul + add, AVX without FMA"
+    if "sse2" in flags:
+        return 8, "128-bit mul + add, SSE2"
+    return None, "no x86 vector flags in /proc/cpuinfo (another architecture): FLOP/cycle not tabulated"
+
+
+def cpu_fma_bound(
+    dtype: torch.dtype,
+    threads: int,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
+    sysfs: Path = Path("/sys/devices/system/cpu"),
+    allowed: set[int] | None = None,
+) -> FmaBound:
+    """Theoretical peak of ``threads`` threads: cores × clock × :func:`fp32_flops_per_cycle`.
+
+    Cores: ``min(threads, physical cores among the CPUs this process may run on)`` (``allowed``,
+    default its affinity; sched_setaffinity(2)), SMT siblings counted once as they share FMA
+    units. Clock: the highest ``cpufreq/cpuinfo_max_freq`` (kHz) of those CPUs, else the highest
+    ``cpu MHz`` of ``cpuinfo`` (a virtual machine's: a boost may exceed it). Derived for float32
+    only: bf16 and fp16 speed depends on which kernels (AMX, AVX512-BF16) torch uses.
+    """
+    if dtype != torch.float32:
+        return FmaBound(None, f"derived for torch.float32 only, not {dtype}: it depends on the kernels torch picks")
+    try:
+        cpus = parse_cpuinfo(cpuinfo.read_text())
+    except OSError:
+        return FmaBound(None, f"{cpuinfo} is not readable (not Linux)")
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    mine = [cpu for cpu in cpus if int(cpu.get("processor", "-1")) in allowed] or cpus
+    if not mine:
+        return FmaBound(None, f"no processor listed in {cpuinfo}")
+    per_cycle, units = fp32_flops_per_cycle(mine[0])
+    ghz, at_max, clock_source = _clock_ghz(mine, sysfs)
+    if per_cycle is None or ghz is None:
+        return FmaBound(None, units if per_cycle is None else clock_source)
+    cores = min(threads, len({(c.get("physical id"), c.get("core id", c.get("processor"))) for c in mine}))
+    basis = f"{cores} core(s) × {ghz:.2f} GHz ({clock_source}) × {per_cycle} FLOP/cycle ({units})"
+    return FmaBound(cores * ghz * 1e9 * per_cycle, basis, at_max)
+
+
+def _clock_ghz(cpus: list[dict[str, str]], sysfs: Path) -> tuple[float | None, bool, str]:
+    """(GHz, whether it is the maximum clock, its source) of ``cpus``; kernel cpufreq docs for sysfs."""
+    khz = []
+    for cpu in cpus:
+        with contextlib.suppress(OSError, ValueError):
+            khz.append(int((sysfs / f"cpu{cpu.get('processor')}" / "cpufreq" / "cpuinfo_max_freq").read_text()))
+    if khz:
+        return max(khz) / 1e6, True, "cpufreq maximum"
+    mhz = [float(cpu["cpu MHz"]) for cpu in cpus if "cpu MHz" in cpu]
+    if mhz:
+        return max(mhz) / 1e3, False, "reported clock, a boost may exceed it"
+    return None, False, "no clock in cpufreq or /proc/cpuinfo"
+
+
 def cache_path() -> Path:
     """The measured-peak cache: ``$LOOMTRAIN_CACHE_DIR/peak_flops.json`` or ``~/.cache/loomtrain/...``."""
     root = os.environ.get("LOOMTRAIN_CACHE_DIR") or Path.home() / ".cache" / "loomtrain"
     return Path(root) / "peak_flops.json"
 
 
-def measure_matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
-    """Best FLOP/s of ``n × n`` matmuls in ``dtype`` on ``device``.
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, budget_s: float = BENCH_BUDGET_S) -> Measurement:
+    """Best FLOP/s of ``n × n`` matmuls in ``dtype`` on ``device``, over the tries that ran undisturbed.
 
-    ``n`` doubles from 256 until one matmul takes at least 10 ms (or ``n`` reaches 8192), so
-    that the measurement is not dominated by overheads on a fast device nor takes seconds on
-    a slow one; then the best of 5 timed repeats after 2 warm-ups is kept. Counts ``2·n³``
-    FLOP per matmul. Takes well under a second on a CPU.
+    ``n`` doubles from 256 until one matmul takes at least :data:`BENCH_MIN_SECONDS` (or ``n``
+    reaches 8192); then tries run for ``budget_s`` seconds (at least :data:`BENCH_MIN_TRIES`).
+    On a CPU a try ran undisturbed when the process's CPU time covers :data:`UNDISTURBED_SHARE`
+    of wall time × threads, i.e. no thread was descheduled for another process (a shared core
+    runs at a fraction of its speed; getrusage(2) CPU time excludes that). The best undisturbed
+    try is kept, else the best of all, flagged. Counts ``2·n³`` FLOP per matmul. About
+    ``budget_s`` + 0.1 s on a CPU.
     """
+    a, b = _bench_operands(device, dtype)
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    best = {True: 0.0, False: 0.0}
+    tries, start = 0, time.perf_counter()
+    while tries < BENCH_MIN_TRIES or time.perf_counter() - start < budget_s:
+        seconds, share = _one_try(a, b, threads)
+        undisturbed = share >= UNDISTURBED_SHARE
+        best[undisturbed] = max(best[undisturbed], 2 * a.shape[0] ** 3 / seconds)
+        tries += 1
+    return Measurement(best[True], True, tries) if best[True] else Measurement(best[False], False, tries)
+
+
+def measure_matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
+    """:func:`measure_matmul_peak`'s FLOP/s alone (undisturbed or not)."""
+    return measure_matmul_peak(device, dtype).flops_per_s
+
+
+def _bench_operands(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Square operands, ``n`` doubled from 256 until one matmul takes :data:`BENCH_MIN_SECONDS`."""
     n = 256
     while True:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        seconds = _time_matmul(a, b, BENCH_WARMUP if n == 256 else 1, 1)
+        torch.matmul(a, b)  # the first call at a size allocates and picks kernels
+        seconds, _ = _one_try(a, b, 0)
         if seconds >= BENCH_MIN_SECONDS or n >= BENCH_MAX_SIZE:
-            break
+            return a, b
         n *= 2
-    best = _time_matmul(a, b, 0, BENCH_REPEATS)
-    return 2 * n**3 / best
 
 
-def _time_matmul(a: torch.Tensor, b: torch.Tensor, warmup: int, repeats: int) -> float:
-    """Fastest of ``repeats`` timed ``a @ b``, in seconds, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        torch.matmul(a, b)
+def _one_try(a: torch.Tensor, b: torch.Tensor, threads: int) -> tuple[float, float]:
+    """Seconds of one ``a @ b``, and the share of ``threads`` cores the process held meanwhile
+    (1.0 when ``threads`` is 0: a GPU, or not asked)."""
     synchronize(a.device)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        synchronize(a.device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    wall, cpu = time.perf_counter(), time.process_time()
+    torch.matmul(a, b)
+    synchronize(a.device)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall, cpu / (wall * threads) if threads else 1.0
 
 
 def synchronize(device: torch.device) -> None:
@@ -207,18 +442,34 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _read_cache(path: Path) -> dict[str, float]:
+def _read_cache(path: Path) -> dict[str, CacheEntry]:
+    """The cache's entries; a bare number (written before entries carried a date) has no date."""
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    entries = {}
+    for key, value in raw.items() if isinstance(raw, dict) else ():
+        if isinstance(value, int | float):
+            entries[key] = CacheEntry(float(value), None)
+        elif isinstance(value, dict) and isinstance(value.get("flops_per_s"), int | float):
+            entries[key] = CacheEntry(float(value["flops_per_s"]), _aware_iso(value.get("measured_at")))
+    return entries
 
 
-def _write_cache(path: Path, key: str, value: float) -> None:
+def _aware_iso(text) -> str | None:
+    """``text`` if it is an ISO 8601 time with a UTC offset, else None (its age is unknown)."""
+    try:
+        return text if datetime.fromisoformat(text).tzinfo is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _write_cache(path: Path, key: str, entry: CacheEntry) -> None:
     """Add ``key`` to the cache; written to a temporary file and renamed so that ranks writing
     at once never leave a torn file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = _read_cache(path) | {key: value}
+    entries = {k: v._asdict() for k, v in _read_cache(path).items()} | {key: entry._asdict()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".peak_flops.", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(entries, f, indent=1, sort_keys=True)

@@ -11,7 +11,9 @@ agent per host of an emulated cluster (``--cluster``), as on real machines.
 - Emulated cluster (``--cluster NAME``, see ``loomtrain.cluster``): one torchrun agent per host,
   inside its network namespace, ``--nnodes H --node-rank i`` with c10d rendezvous on host 0;
   with ``--elastic --min-nodes A``, losing a host (its processes killed, or its link gone
-  silent until the collective timeout) shrinks the job to the remaining hosts.
+  silent until the collective timeout) shrinks the job to the remaining hosts, host 0
+  excepted: it serves the rendezvous. With ``--distributed.rendezvous=etcd`` every host runs
+  an etcd member and any one host may be lost (``loomtrain.cluster.etcd``).
 
 The launcher passes SIGTERM and SIGINT on to the agents, which pass them to the workers; the
 workers checkpoint at the current step and stop. The launcher then exits 0 if the event log
@@ -21,14 +23,17 @@ shows that preemption checkpoint.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loomtrain.agent_log import TTY_ENV, Pump, Story
 from loomtrain.distributed.spawn import free_port
 from loomtrain.metrics import EventLog
 
@@ -39,8 +44,16 @@ if TYPE_CHECKING:
 RDZV_PORT = 29400
 # Seconds the rendezvous waits for more nodes once the minimum has joined.
 LAST_CALL_S = 5
+# Rendezvous settings for jobs that may shrink (torchrun's dynamic rendezvous, "rdzv-conf"). A
+# node that died is dropped from the rendezvous when it missed keep_alive_max_attempt heartbeats
+# keep_alive_interval s apart (torch's defaults 5 s × 3 = 15 s), and the survivors wait
+# last_call_timeout more (default 30 s) for latecomers: 45 s of a shrink's recovery (issue #23,
+# item 8). A heartbeat is a store write from an idle agent thread: 3 s still spans a loaded machine.
+SHRINK_CONF = {"last_call_timeout": str(LAST_CALL_S), "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 # Seconds the other agents get to finish after one agent finished the job.
 STRAGGLER_GRACE_S = 60
+# Seconds to wait for an ended agent's last output (its workers may still hold the pipe).
+PUMP_DRAIN_S = 5
 
 
 @dataclass(frozen=True)
@@ -55,16 +68,17 @@ class ElasticSpec:
 
 def torchrun_argv(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, max_restarts: int,
                   rdzv_conf: dict[str, str] | None = None, node_rank: int | None = None,
-                  local_addr: str | None = None) -> list[str]:  # fmt: skip
-    """One torchrun agent's command line with c10d rendezvous at ``rdzv_endpoint`` (``host:port``),
-    what a user types on each machine of a multi-node job (torchrun docs, "Elastic launch").
+                  local_addr: str | None = None, backend: str = "c10d") -> list[str]:  # fmt: skip
+    """One torchrun agent's command line with ``backend`` rendezvous (``c10d``, or ``etcd-v2``:
+    see ``loomtrain.cluster.etcd``) at ``rdzv_endpoint`` (``host:port``), what a user types on
+    each machine of a multi-node job (torchrun docs, "Elastic launch").
 
     ``nnodes`` is ``"N"`` or ``"MIN:MAX"``; ``local_addr`` is the address peers reach this node
     at (torchrun otherwise uses the hostname, which emulated hosts share); the worker command
     (``-m loomtrain.cli ...``) follows.
     """
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
             f"--max-restarts={max_restarts}"]  # fmt: skip
     if node_rank is not None:
         argv.append(f"--node-rank={node_rank}")
@@ -85,15 +99,14 @@ def agent_commands(nproc: int, worker_argv: list[str], elastic: ElasticSpec | No
         return [[*torchrun_argv("1", nproc, endpoint, run_id, elastic.max_restarts), *worker]]
     nnodes = f"{elastic.min_nodes}:{elastic.max_nodes}"
     # All agents share this host, so say which one serves the rendezvous store.
-    return [
-        [*torchrun_argv(nnodes, 1, endpoint, run_id, elastic.max_restarts, {"is_host": str(int(i == 0))}), *worker]
-        for i in range(nproc)
-    ]
+    confs = [{"is_host": str(int(i == 0)), **SHRINK_CONF} for i in range(nproc)]
+    return [[*torchrun_argv(nnodes, 1, endpoint, run_id, elastic.max_restarts, conf), *worker] for conf in confs]
 
 
-def _preempted_since(run_dir: Path, since: float) -> bool:
+def _preemption_since(run_dir: Path, since: float) -> dict | None:
+    """The ``preempted`` event (step, checkpoint) the workers logged since ``since`` (Unix s), if any."""
     events = EventLog(run_dir, enabled=False).read()
-    return any(e["event"] == "preempted" and e["time"] >= since for e in events)
+    return next((e for e in reversed(events) if e["event"] == "preempted" and e["time"] >= since), None)
 
 
 def _agent_env(rendezvous: bool) -> dict[str, str]:
@@ -112,30 +125,55 @@ def launch(nproc: int, worker_argv: list[str], elastic: ElasticSpec | None, run_
 
 
 def cluster_commands(cluster: Cluster, worker: list[str], elastic: ElasticSpec | None, run_id: str,
-                     port: int = RDZV_PORT) -> list[list[str]]:  # fmt: skip
+                     port: int = RDZV_PORT, etcd_endpoints: list[str] | None = None) -> list[list[str]]:  # fmt: skip
     """One torchrun agent per emulated host, started inside that host's network namespace, each
-    running ``procs_per_host`` copies of ``worker`` (e.g. ``["-m", "loomtrain.cli", "train", ...]``),
-    with the c10d rendezvous served by host 0: ``--nnodes H`` (elastic: ``MIN:MAX`` hosts),
-    ``--node-rank i``, ``--local-addr`` the host's own address."""
+    running ``procs_per_host`` copies of ``worker`` (e.g. ``["-m", "loomtrain.cli", "train", ...]``):
+    ``--nnodes H`` (elastic: ``MIN:MAX`` hosts), ``--node-rank i``, ``--local-addr`` the host's own
+    address. The rendezvous is c10d, served by host 0; with ``etcd_endpoints`` (``ADDRESS:PORT``
+    per host, see ``loomtrain.cluster.etcd``) it is ``etcd-v2``, host ``i`` using
+    ``etcd_endpoints[i]``, so no host is needed by the others."""
     hosts, nproc = cluster.spec.hosts, cluster.spec.procs_per_host
     nnodes = str(hosts) if elastic is None else f"{elastic.min_nodes}:{elastic.max_nodes}"
     restarts = 0 if elastic is None else elastic.max_restarts
-    endpoint = f"{cluster.address(0)}:{port}"
     cmds = []
     for i in range(hosts):
-        # Host 0's address is local to its namespace only; say who serves the store rather than
-        # rely on torchrun matching it against the (shared) hostname. A host that left needs
-        # seconds, not the default 30, before the survivors go on without it.
-        conf = {"is_host": str(int(i == 0)), "last_call_timeout": str(LAST_CALL_S)}
-        agent = torchrun_argv(nnodes, nproc, endpoint, run_id, restarts, conf, i, cluster.address(i))
+        # A host that left needs seconds, not the defaults, before the survivors go on without it.
+        conf = dict(SHRINK_CONF)
+        if etcd_endpoints is None:
+            # Host 0's address is local to its namespace only; say who serves the store rather
+            # than rely on torchrun matching it against the (shared) hostname.
+            conf["is_host"] = str(int(i == 0))
+            endpoint = f"{cluster.address(0)}:{port}"
+        else:
+            endpoint = etcd_endpoints[i]
+        backend = "c10d" if etcd_endpoints is None else "etcd-v2"
+        agent = torchrun_argv(nnodes, nproc, endpoint, run_id, restarts, conf, i, cluster.address(i), backend)
         cmds.append(cluster.exec_argv(i, [*agent, *worker]))
     return cmds
 
 
 def launch_cluster(cluster: Cluster, worker: list[str], elastic: ElasticSpec | None, run_dir: Path | None,
-                   run_id: str) -> int:  # fmt: skip
-    """Run one torchrun agent per emulated host to completion (see :func:`cluster_commands`)."""
-    return run_agents(cluster_commands(cluster, worker, elastic, run_id), _agent_env(True), run_dir)
+                   run_id: str, rendezvous: str = "c10d") -> int:  # fmt: skip
+    """Run one torchrun agent per emulated host to completion (see :func:`cluster_commands`).
+
+    ``rendezvous="etcd"`` first starts one etcd member per host (``loomtrain.cluster.etcd``) and
+    stops it, deleting its data, when the agents are done.
+
+    Raises:
+        ClusterError: ``rendezvous`` is neither ``c10d`` nor ``etcd``; for ``etcd``, etcd or
+            python-etcd missing, fewer than 3 hosts, or members that do not become healthy.
+    """
+    from loomtrain.cluster.emulated import ClusterError
+    from loomtrain.cluster.etcd import etcd_members
+
+    env = _agent_env(True)
+    if rendezvous == "c10d":
+        return run_agents(cluster_commands(cluster, worker, elastic, run_id), env, run_dir)
+    if rendezvous != "etcd":
+        raise ClusterError(f"--distributed.rendezvous={rendezvous!r} is not known; use c10d or etcd")
+    with etcd_members(cluster, token=f"{run_id}-{os.getpid()}") as members:
+        endpoints = [m.endpoint for m in members]
+        return run_agents(cluster_commands(cluster, worker, elastic, run_id, etcd_endpoints=endpoints), env, run_dir)
 
 
 def die_with_parent() -> None:
@@ -160,26 +198,75 @@ def run_agents(cmds: list[list[str]], env: dict[str, str], run_dir: Path | None)
     node exits non-zero while the survivors finish) or a stop request ended in a preemption
     checkpoint in ``run_dir``; else the first agent's status. Agents still running ``STRAGGLER_GRACE_S``
     seconds after one finished the job (a node cut off from the rendezvous waits for it in
-    vain) are stopped.
+    vain) are stopped. With a ``run_dir``, each agent's output goes raw to
+    ``<run_dir>/logs/agent_<i>.log`` and the console tells one line per event
+    (:mod:`loomtrain.agent_log`).
     """
     started = time.time()
-    # preexec_fn runs in the child between fork and exec: the agent dies with this launcher.
-    procs = [subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent) for cmd in cmds]
+    story = None if run_dir is None else _story(cmds, run_dir)
+    procs, pumps = _start_agents(cmds, env, story)
     stop_requested = []
 
     def forward(signum, frame) -> None:
         stop_requested.append(signum)
+        if story is not None and story.stop_signal is None:
+            story.stop_signal = signum
         _signal_all(procs, signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        codes = _wait_agents(procs)
+        codes = _wait_agents(procs, story, pumps)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    return _job_status(codes, stop_requested, run_dir, started, story)
+
+
+def _story(cmds: list[list[str]], run_dir: Path) -> Story:
+    """The job's story, with one debug log per agent under ``<run_dir>/logs``."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    restarts = [int(a.split("=", 1)[1]) for a in cmds[0] if a.startswith("--max-restarts=")]
+    return Story(run_dir, [logs / f"agent_{i}.log" for i in range(len(cmds))], restarts[0] if restarts else 0)
+
+
+def _start_agents(cmds: list[list[str]], env: dict[str, str], story: Story | None):
+    """Start every agent (dying with this launcher: preexec_fn runs in the child between fork
+    and exec); with a story, its stdout and stderr are piped to one :class:`Pump` thread each.
+    Returns the processes and, per agent, its pump threads."""
+    if story is None:
+        return [subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent) for cmd in cmds], []
+    if sys.stderr.isatty():
+        env = {**env, TTY_ENV: "1"}  # the workers' stderr is a pipe, but their bar ends on a terminal
+    procs, pumps = [], []
+    for i, cmd in enumerate(cmds):
+        log = story.agents[i].log_path.open("ab")
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher pid {os.getpid()}: {shlex.join(cmd)}\n".encode())
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)  # fmt: skip
+        threads = [threading.Thread(target=Pump(story, i, log, console.buffer, pipe is proc.stderr).run,
+                                    args=(pipe,), daemon=True)
+                   for pipe, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]  # fmt: skip
+        for t in threads:
+            t.start()
+        procs.append(proc)
+        pumps.append(threads)
+    return procs, pumps
+
+
+def _job_status(codes: list[int], stop_requested: list[int], run_dir: Path | None, started: float,
+                story: Story | None) -> int:  # fmt: skip
+    """The launcher's exit status, and with a story its last line (stop or failure)."""
     if stop_requested:
-        return 0 if run_dir is not None and _preempted_since(run_dir, started) else 1
-    return 0 if 0 in codes else codes[0]
+        preempted = None if run_dir is None else _preemption_since(run_dir, started)
+        code = 0 if preempted is not None else 1
+        if story is not None:
+            story.stopped(preempted, code)
+        return code
+    code = 0 if 0 in codes else codes[0]
+    if code and story is not None:
+        story.failed(codes, code)
+    return code
 
 
 def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
@@ -188,15 +275,37 @@ def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
             p.send_signal(sig)
 
 
-def _wait_agents(procs: list[subprocess.Popen]) -> list[int]:
+def _wait_agents(procs: list[subprocess.Popen], story: Story | None = None,
+                 pumps: list[list[threading.Thread]] | None = None) -> list[int]:  # fmt: skip
     finished_at = None
+    told = set()
     while any(p.poll() is None for p in procs):
         if finished_at is None and any(p.returncode == 0 for p in procs):
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > STRAGGLER_GRACE_S:
             _signal_all(procs, signal.SIGKILL)
+        if story is not None:
+            _tell_exits(procs, story, pumps, told)
         time.sleep(0.2)
+    if story is not None:
+        _tell_exits(procs, story, pumps, told)
     return [p.returncode for p in procs]
+
+
+def _tell_exits(procs: list[subprocess.Popen], story: Story, pumps: list[list[threading.Thread]],
+                told: set[int]) -> None:  # fmt: skip
+    """Tell the story of agents that ended since the last call, once their output is read
+    (a worker's exit, which explains the agent's, comes through the pipe)."""
+    story.flush_settled()
+    for i, p in enumerate(procs):
+        if p.returncode is None or i in told:
+            continue
+        for t in pumps[i]:
+            t.join(timeout=PUMP_DRAIN_S)
+        told.add(i)
+        story.flush(i)
+        if p.returncode != 0:
+            story.agent_exited(i, p.returncode, any(q.poll() is None for q in procs))
 
 
 def local_worker_pids(marker: str) -> list[int]:

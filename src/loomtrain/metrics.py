@@ -25,7 +25,7 @@ from loomtrain.config import Config
 from loomtrain.console import Console
 from loomtrain.distributed.parallel_dims import Axis, is_main_process
 from loomtrain.distributed.traffic import GRADIENT_AXIS, INTER_HOST_AXIS
-from loomtrain.hardware import mfu, peak_flops_per_s
+from loomtrain.hardware import Peak, device_peak, mfu
 from loomtrain.models.flops import flops_per_token
 from loomtrain.profiling import StepComm, overlap_figures
 
@@ -190,13 +190,13 @@ class Throughput:
 
     Only time inside a training step counts: evaluation and checkpointing are not training.
     MFU = achieved model FLOP/s per device / the device's peak FLOP/s (Chowdhery et al.,
-    "PaLM", 2022, Appendix B).
+    "PaLM", 2022, Appendix B); ``peak`` says where that peak came from.
     """
 
-    def __init__(self, tokens_per_step_per_device: int, flops_per_token: float, peak_flops: float, world: int):
+    def __init__(self, tokens_per_step_per_device: int, flops_per_token: float, peak: Peak, world: int):
         self.tokens = tokens_per_step_per_device
         self.flops_per_token = flops_per_token
-        self.peak = peak_flops
+        self.peak = peak
         self.world = world
         self.window = [0, 0.0]
         self.total = [0, 0.0]
@@ -206,21 +206,54 @@ class Throughput:
             acc[0] += 1
             acc[1] += seconds
 
-    def _rates(self, steps: int, seconds: float) -> dict[str, float]:
+    def rates(self, steps: int, seconds: float) -> dict[str, float]:
+        """``tokens_per_s`` of the whole job and ``mfu`` of one device, for ``steps`` global
+        batches trained in ``seconds``."""
         per_device = self.tokens * steps / max(seconds, 1e-9)
         return {
             "tokens_per_s": per_device * self.world,
-            "mfu": mfu(self.flops_per_token, per_device, self.peak),
+            "mfu": mfu(self.flops_per_token, per_device, self.peak.flops_per_s),
         }
 
     def report(self) -> dict[str, float]:
-        """Global tokens/s and per-device MFU since the last report; resets the window."""
-        rates = self._rates(*self.window)
+        """:meth:`rates` of this rank's steps since the last report; resets the window."""
+        rates = self.rates(*self.window)
         self.window = [0, 0.0]
         return rates
 
-    def overall(self) -> dict[str, float]:
-        return self._rates(*self.total)
+
+# How each summary.json figure combines the ranks' values (docs/metrics.md#summaryjson): "same" is
+# equal on every rank; "global" is computed from all ranks' totals (the whole job's tokens over the
+# slowest rank's seconds, a loss weighted by each rank's tokens or samples); "max" is the largest
+# rank's (times and memory: what the slowest or fullest rank needs); "mean" is the mean over ranks.
+SUMMARY_REDUCTIONS = {
+    **dict.fromkeys(("final_step", "start_step", "resumed_from", "world_size", "n_params", "flops_per_token",
+                     "peak_flops_per_s", "peak_flops", "loss_scale"), "same"),
+    **dict.fromkeys(("loss", "val_loss", "tokens_per_s", "mfu", "compression_ratio", "comm_hidden_fraction"),
+                    "global"),
+    **dict.fromkeys(("wall_s", "peak_memory_bytes", "param_bytes", "grad_bytes", "optim_bytes"), "max"),
+    **dict.fromkeys(("comm_bytes_per_step", "comm_bytes_per_step_by_axis", "comm_s", "comm_exposed_s",
+                     "bubble_fraction"), "mean"),
+}  # fmt: skip
+# A figure missing from SUMMARY_REDUCTIONS is rank 0's own: said so rather than guessed.
+UNREDUCED = "rank 0"
+
+
+def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    """``values`` reduced element-wise over all ranks with ``op`` in float64 (exact for byte
+    counts below 2⁵³). A collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def agreed_peak(device: torch.device, dtype: torch.dtype) -> Peak:
+    """Rank 0's :func:`~loomtrain.hardware.device_peak`, on every rank (a collective). The other
+    ranks wait in the broadcast meanwhile, so a benchmark does not share its cores with theirs,
+    and the peak cache has one writer."""
+    box = [device_peak(device, dtype) if is_main_process() else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class TrainingMetrics:
@@ -244,12 +277,12 @@ class TrainingMetrics:
     @classmethod
     def for_run(cls, cfg: Config, pm: ParallelModel, device: torch.device, start_step: int) -> TrainingMetrics:
         """The metrics of a training run from ``start_step``: rank 0 writes them; the device peak
-        (see ``hardware.peak_flops_per_s``) is that of ``training.dtype``. Every device is
-        credited an equal share of the step's FLOPs, whatever the mix of dp, sp, tp and pp."""
+        (:func:`agreed_peak`) is that of ``training.dtype``. Every device is credited an equal
+        share of the step's FLOPs, whatever the mix of dp, sp, tp and pp. A collective."""
         t, m, world = cfg.training, cfg.metrics, pm.dims.world_size
         writer = MetricsProcessor(cfg.run_dir, t.steps, start_step, is_main_process(), m.tensorboard, m.progress_bar,
                                   cfg.log.format)  # fmt: skip
-        peak = peak_flops_per_s(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
+        peak = agreed_peak(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
         speed = Throughput(t.global_batch_size * t.seq_len // world, flops_per_token(cfg.model, t.seq_len), peak, world)
         return cls(writer, pm, speed, device)
 
@@ -259,7 +292,7 @@ class TrainingMetrics:
         self.writer.message(
             f"loomtrain: {n_params:,} parameters, world size {dims.world_size} ({dims.describe()}), "
             f"{cfg.grad_accum_steps(dims.dp)} micro-batch(es) of {t.micro_batch_size} per rank per step, "
-            f"{self.speed.flops_per_token / 1e6:.2f} MFLOP/token, device peak {self.speed.peak / 1e9:.1f} GFLOP/s"
+            f"{self.speed.flops_per_token / 1e6:.2f} MFLOP/token, device peak {self.speed.peak.describe()}"
         )
 
     @contextlib.contextmanager
@@ -324,21 +357,28 @@ class TrainingMetrics:
         dist.all_reduce(totals)
         return {axis: total / dims.world_size / steps for axis, total in zip(axes, totals.tolist(), strict=True)}
 
-    def summary(self, **run: Any) -> dict[str, Any]:
-        """The run's summary (``summary.json``): ``run``'s fields (final_step, start_step,
-        resumed_from, loss, val_loss, wall_s, n_params), overall tokens/s and MFU, peak memory
-        (max over ranks), bytes per step (this rank's, and per axis as means over ranks), the
-        compression ratio, this rank's model-state bytes, the loss scale, the steady-state
-        bubble and the steady-state gradient communication overlap (:meth:`comm_overlap`). A
-        collective."""
+    def summary(self, wall_s: float, **run: Any) -> dict[str, Any]:
+        """The run's summary (``summary.json``), each figure reduced over ranks as
+        :data:`SUMMARY_REDUCTIONS` says and that map written with it as ``reductions``.
+
+        ``run``: fields equal on every rank (final_step, start_step, resumed_from, n_params) or
+        already global (loss, val_loss); ``wall_s``: this rank's seconds (the max is kept). Adds
+        tokens/s and MFU over the run (the whole job's tokens over the slowest rank's training
+        seconds), peak memory and model-state bytes (max over ranks), bytes per step (mean
+        over ranks), the compression ratio (all ranks' bytes), the peak and its source, the
+        loss scale, the steady-state bubble and gradient communication overlap
+        (:meth:`comm_overlap`). A collective."""
         sync, steps = self.pm.sync, max(1, self.speed.total[0])
+        state = sync.state_bytes()
+        slowest = _all_reduce([self.speed.total[1], wall_s, *state.values()], dist.ReduceOp.MAX, self.device)
+        sent, dense = _all_reduce([sync.hook.bytes_sent, sync.hook.dense_bytes], dist.ReduceOp.SUM, self.device)
+        by_axis = self.comm_bytes_per_step()
         summary = {
-            **run, **self.speed.overall(), "world_size": dist.get_world_size(),
+            **run, "wall_s": slowest[1], **self.speed.rates(steps, slowest[0]), "world_size": dist.get_world_size(),
             "peak_memory_bytes": self.max_peak_memory_bytes(), "flops_per_token": self.speed.flops_per_token,
-            "peak_flops_per_s": self.speed.peak,
-            "comm_bytes_per_step": self.train_traffic[GRADIENT_AXIS] / steps,
-            "compression_ratio": sync.hook.bytes_sent / max(1, sync.hook.dense_bytes),
-            "comm_bytes_per_step_by_axis": self.comm_bytes_per_step(), **sync.state_bytes(),
+            "peak_flops_per_s": self.speed.peak.flops_per_s, "peak_flops": self.speed.peak.as_dict(),
+            "comm_bytes_per_step": by_axis[GRADIENT_AXIS], "compression_ratio": sent / max(1.0, dense),
+            "comm_bytes_per_step_by_axis": by_axis, **{k: int(v) for k, v in zip(state, slowest[2:], strict=True)},
         }  # fmt: skip
         if sync.scaler is not None:
             summary["loss_scale"] = sync.scaler.scale
@@ -348,6 +388,7 @@ class TrainingMetrics:
             summary["bubble_fraction"] = sum(steady) / len(steady)
         # Without a process's first step, which also builds what is built lazily.
         summary.update(self.comm_overlap(self.comm_steps[1:] or self.comm_steps))
+        summary["reductions"] = {key: SUMMARY_REDUCTIONS.get(key, UNREDUCED) for key in summary}
         return summary
 
     def write(self, run_dir: Path, summary: dict[str, Any], step: int) -> None:

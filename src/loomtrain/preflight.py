@@ -12,6 +12,8 @@ only read.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +28,8 @@ from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
 # Settings a resumed run must share with the run it continues: the checkpoint's tensors and
 # the saved tokenizer only fit these.
 _RESUME_FIXED = {"model": None, "data": None, "training": ("seq_len",)}
+# More threads per CPU than this and every process runs at a fraction of a core's speed.
+OVERSUBSCRIBED = 2
 
 
 def check_launch(cfg: Config, world_size: int, hashes: bool = False) -> Path | None:
@@ -84,6 +88,34 @@ def check_world(cfg: Config, world_size: int) -> None:
     check_simulation(cfg, world_size)
 
 
+def oversubscription_warning(nproc: int, threads: int, cpus: int) -> str | None:
+    """The one-line warning for ``nproc`` processes of ``threads`` threads each on ``cpus`` CPUs
+    when they exceed :data:`OVERSUBSCRIBED` threads per CPU, else None. Not an error: such a job
+    runs, but each process gets a fraction of a core, so it is slow and its tokens/s and MFU
+    describe the sharing, not the hardware."""
+    if nproc * threads <= OVERSUBSCRIBED * cpus:
+        return None
+    return (
+        f"warning: --nproc={nproc} processes × {threads} thread(s) (OMP_NUM_THREADS) on {cpus} CPU(s) this "
+        f"process may use (os.cpu_count()={os.cpu_count()}): each process gets about {cpus / (nproc * threads):.2f} "
+        "of a core, so training is slow and its tokens/s and MFU reflect the sharing; lower --nproc"
+    )
+
+
+def warn_if_oversubscribed(nproc: int) -> None:
+    """Print :func:`oversubscription_warning` on stderr, if any, for the workers' threads
+    (``OMP_NUM_THREADS``, 1 unless set, as the launcher passes it) and the CPUs this process may
+    run on (sched_getaffinity(2), else ``os.cpu_count()``). The launcher calls it once."""
+    try:
+        threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1").split(",")[0]))
+    except ValueError:
+        threads = 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    message = oversubscription_warning(nproc, threads, cpus)
+    if message is not None:
+        print(message, file=sys.stderr, flush=True)
+
+
 def check_rank_devices(cfg: Config, world_size: int) -> None:
     """``run.rank_devices`` has one entry per rank, its CUDA ranks have a GPU, and a mixed job
     does not ask for NCCL.
@@ -139,6 +171,13 @@ def check_simulation(cfg: Config, world_size: int) -> None:
         raise ConfigError(reason)
 
 
+def _only_launcher_logs(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds nothing but the launcher's ``logs/agent_<i>.log`` files."""
+    entries = list(run_dir.iterdir())
+    logs = run_dir / "logs"
+    return entries == [logs] and logs.is_dir() and all(p.name.startswith("agent_") for p in logs.iterdir())
+
+
 def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:
     """Refuse what would lose or corrupt an existing run; returns the checkpoint to resume
     from (``None``: a fresh start). ``hashes``: as for :func:`check_launch`; a checkpoint that
@@ -154,7 +193,9 @@ def check_run_dir(cfg: Config, hashes: bool = True) -> Path | None:
     if cfg.run.overwrite and resume != "never":
         raise ConfigError("--overwrite and --resume contradict each other; pass one of them")
     if cfg.run.overwrite:
-        if run_dir.exists() and not (run_dir / "config.toml").is_file():
+        # A launch whose workers failed before writing config.toml leaves only the launcher's logs/.
+        written = run_dir.exists() and ((run_dir / "config.toml").is_file() or _only_launcher_logs(run_dir))
+        if run_dir.exists() and not written:
             raise ConfigError(
                 f"run.overwrite: {run_dir} exists but is not a loomtrain run (no config.toml); not deleting it"
             )

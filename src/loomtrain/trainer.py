@@ -79,14 +79,31 @@ def mean_over_ranks(value: float, device: torch.device, group=None, weight: floa
 
 @torch.no_grad()
 def evaluate(pm: ParallelModel, data: Data, cfg: Config, device) -> float:
-    """Validation loss (nats/token) over ``training.eval_batches`` micro-batches per ``dp``
-    rank, averaged over ranks."""
+    """Validation loss (nats/token) over the fixed set of ``training.eval_batches`` micro-batches
+    (:func:`~loomtrain.data.eval_batches`), whatever the number of ``dp`` ranks sharing it.
+
+    ``dp`` rank ``r`` evaluates micro-batches ``r, r + dp, …`` and the ranks' means are averaged
+    weighted by their tokens, so an uneven share is exact and the result differs between dp
+    sizes only by the order of the float sums. A collective over the dp × sp ranks.
+    """
     dims, t = pm.dims, cfg.training
+    batches = eval_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_batches)
+    mine = batches[dims.dp_rank :: dims.dp]
     pm.model.eval()
-    batches = eval_batches(data.val, t.seq_len, t.micro_batch_size, t.eval_batches, dims.dp_rank, dims.dp)
-    local = pm.eval_loss(batches, lambda: autocast(cfg, device), device)
+    local = pm.eval_loss(mine, lambda: autocast(cfg, device), device) if mine else 0.0
+    _pad_forwards(pm, batches, len(mine), dims.dp, lambda: autocast(cfg, device), device)
     pm.model.train()
-    return mean_over_ranks(local, device, dims.grad_mesh.get_group())
+    tokens = sum(y.numel() for _, y in mine)
+    return mean_over_ranks(local, device, dims.grad_mesh.get_group(), weight=tokens)
+
+
+def _pad_forwards(pm: ParallelModel, batches: list, done: int, dp: int, context, device: torch.device) -> None:
+    """Forwards whose loss is dropped, so this rank runs as many as the rank with the most
+    micro-batches (``⌈len(batches) / dp⌉``): ZeRO-3 gathers each layer's parameters from all
+    dp ranks in every forward, and a rank that stopped early would leave the others waiting."""
+    missing = -(-len(batches) // dp) - done
+    if missing:
+        pm.eval_loss(batches[:missing], context, device)
 
 
 class Trainer:

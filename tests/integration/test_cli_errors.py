@@ -183,6 +183,22 @@ def test_overwrite_refuses_a_directory_loomtrain_did_not_write(tmp_path, run_cli
     assert precious.read_text() == "years of work"
 
 
+def test_overwrite_accepts_a_run_whose_workers_left_only_launcher_logs(tmp_path):
+    """Catches: --overwrite refusing a run directory that holds only the launcher's
+    logs/agent_<i>.log (workers that failed before writing config.toml), or deleting one in
+    which anything else lies beside those logs."""
+    from loomtrain.config import ConfigError, load_config
+    from loomtrain.preflight import check_run_dir
+
+    cfg = load_config(CONFIG, [f"--run.out_dir={tmp_path}", "--run.overwrite=true"])
+    (cfg.run_dir / "logs").mkdir(parents=True)
+    (cfg.run_dir / "logs" / "agent_0.log").write_text("worker failed")
+    assert check_run_dir(cfg) is None
+    (cfg.run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a loomtrain run"):
+        check_run_dir(cfg)
+
+
 def test_saved_config_holds_no_per_launch_choices(tmp_path):
     """Catches: a config.toml fed back with --config deleting or redirecting the run."""
     from loomtrain.config import load_config

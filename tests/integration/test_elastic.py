@@ -29,15 +29,25 @@ SLOW = ["--training.log_interval=1", "--metrics.progress_bar=false", "--sample.m
         "--training.eval_interval=1000", "--training.eval_batches=2"]  # fmt: skip
 
 
-def start_cli(*args: str) -> subprocess.Popen:
+def start_cli(*args: str, console: Path | None = None) -> subprocess.Popen:
+    """``loomtrain train`` with ``args``; its stdout and stderr go to ``console`` if given (a file:
+    a pipe nobody reads could fill and stall the job), else stderr to a pipe."""
     cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", CONFIG, *SLOW, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if console is None:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with console.open("w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+def output(proc: subprocess.Popen, console: Path | None = None) -> str:
+    return console.read_text() if console is not None else proc.stderr.read()
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120,
+                  console: Path | None = None) -> None:  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while last_logged_step(run) < step:
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, output(proc, console)
         if time.monotonic() > deadline:
             raise TimeoutError(f"step {step} not reached in {timeout_s} s")
         time.sleep(0.05)
@@ -56,12 +66,19 @@ def final_weights(run: Path, steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_killed_rank_restarts_and_ends_with_the_uninterrupted_parameters(tmp_path):
-    """Catches: a restart that does not resume, resumes from the wrong step, or loses state."""
+    """Catches: a restart that does not resume, resumes from the wrong step, or loses state;
+    and on the console (issue #23, item 6; the only check against the torchrun installed, the
+    rest is in tests/unit/test_launch_events.py): gloo and torchrun tracebacks, a failure or
+    restart without its one line (what failed, what happens next), or the details lost (no
+    debug log, no launcher event in events.jsonl)."""
     common = ["--training.steps=40", "--checkpoint.interval=10", "--run.name=job"]
-    proc = start_cli("--nproc", "2", "--elastic", "--max-restarts", "2", f"--run.out_dir={tmp_path}/a", *common)
-    wait_for_step(tmp_path / "a" / "job", 15, proc)
+    console, run = tmp_path / "console.txt", tmp_path / "a" / "job"
+    proc = start_cli("--nproc", "2", "--elastic", "--max-restarts", "2", f"--run.out_dir={tmp_path}/a", *common,
+                     console=console)  # fmt: skip
+    wait_for_step(run, 15, proc, console=console)
     os.kill(local_worker_pids(str(tmp_path / "a"))[-1], signal.SIGKILL)
-    assert proc.wait(timeout=240) == 0, proc.stderr.read()
+    assert proc.wait(timeout=240) == 0, console.read_text()
+    assert_one_line_per_event(console.read_text(), run)
     spawn(run_train, 2, [*SLOW, *common, f"--run.out_dir={tmp_path}/b"], timeout_s=240)
     got, want = final_weights(tmp_path / "a" / "job", 40), final_weights(tmp_path / "b" / "job", 40)
     for name in want:
@@ -70,14 +87,35 @@ def test_killed_rank_restarts_and_ends_with_the_uninterrupted_parameters(tmp_pat
     assert "restart" in kinds and "checkpoint_loaded" in kinds and "steps_redone" in kinds
 
 
+def assert_one_line_per_event(text: str, run: Path) -> None:
+    """The console of a run whose worker was SIGKILLed once under ``--elastic``."""
+    assert "Traceback" not in text, text
+    lines = text.splitlines()
+    failed = [x for x in lines if x.startswith("worker rank ")]
+    assert len(failed) == 1 and "died with SIGKILL; restarting all workers from checkpoint step_" in failed[0], text
+    assert "(restart 1 of 2); details: " in failed[0], failed
+    assert len([x for x in lines if x.startswith("restart 1: resumed from checkpoint step_")]) == 1, text
+    log = (run / "logs" / "agent_0.log").read_text()
+    assert "failed (exitcode: -9) local_rank: " in log and "Traceback (most recent call last)" in log
+    kinds = [(e["event"], e.get("exitcode")) for e in events(run) if e.get("source") == "launcher"]
+    assert ("worker_failed", -9) in kinds, kinds
+
+
 def test_sigterm_to_launcher_saves_a_checkpoint_and_exits_0(tmp_path):
-    """Catches: preemption that loses the steps since the last periodic checkpoint."""
+    """Catches: preemption that loses the steps since the last periodic checkpoint; and on the
+    console, torchrun's SignalException traceback after the graceful stop, or a stop without
+    its one line."""
+    console = tmp_path / "console.txt"
     proc = start_cli("--nproc", "2", "--training.steps=100000", "--checkpoint.interval=100000",
-                     f"--run.out_dir={tmp_path}")  # fmt: skip
+                     f"--run.out_dir={tmp_path}", console=console)  # fmt: skip
     run = tmp_path / "shakespeare_char"
-    wait_for_step(run, 5, proc)
+    wait_for_step(run, 5, proc, console=console)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, console.read_text()
+    text = console.read_text()
+    stop = [x for x in text.splitlines() if x.startswith("stop requested (SIGTERM): checkpoint at step ")]
+    assert "Traceback" not in text and len(stop) == 1 and stop[0].endswith("exiting 0"), text
+    assert ("stop", 0) in [(e["event"], e.get("exitcode")) for e in events(run) if e.get("source") == "launcher"]
     preempted = [e for e in events(run) if e["event"] == "preempted"]
     assert len(preempted) == 1 and preempted[0]["step"] >= 5
     latest = find_latest_checkpoint(run / "checkpoints")

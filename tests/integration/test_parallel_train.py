@@ -51,7 +51,8 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
 @pytest.mark.parametrize(
     "name, world, extra",
     [
-        ("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"]),
+        # Slow: pp2_tp2_dp2 runs the same plain dp × tp gradient path (and the zero variants below).
+        pytest.param("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"], marks=pytest.mark.slow),
         ("tp2_megatron_sp", 2, ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"]),
         # Slow: whole-trainer repeats of compositions the distributed tests check layer by layer.
         pytest.param(

@@ -16,6 +16,8 @@ from loomtrain.distributed.balance import (
     balanced_split,
     predicted_step_s,
 )
+from loomtrain.distributed.pipeline.executor import StepRecord
+from loomtrain.distributed.pipeline.schedule import Action
 
 
 def brute_force_best(total: int, seconds: list[float], low: int, high: int) -> float:
@@ -126,3 +128,21 @@ def test_pipeline_balancer_moves_to_the_fast_rank_and_never_straight_back():
     assert decision is not None and decision.before == [8] and decision.after == [11] == b.boundaries
     assert b.decide(10, [11.0, 5.0]) is None  # equal speeds now: back to [8] is refused
     assert b.boundaries == [11]
+
+
+def test_pipeline_balancer_drops_the_warm_up_step_after_a_move():
+    """Catches: the first step on rebuilt stages (lazy allocation) folded into the stage times,
+    which charges one rank for a warm-up and can send layers back and forth."""
+    b = PipelineBalancer(4, pp=2, v=1, n_micro=8, boundaries=[1], threshold=0.05, smoothing=0.5)
+
+    def record(stage_0_s: float, stage_1_s: float) -> StepRecord:
+        actions = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 1, 0), Action("B", 1, 0)]]
+        return StepRecord(actions, [[(0.0, stage_0_s / 2)] * 2, [(0.0, stage_1_s / 2)] * 2], 0.0)
+
+    b.record(record(1.0, 3.0))  # 1 : 3 on equal ranks: rank 1 three times as long
+    decision = b.decide(2, b.seconds)
+    assert decision is not None and decision.after == [2]
+    b.record(record(50.0, 1.0))  # the warm-up step on the new split: dropped
+    assert b.seconds is None
+    b.record(record(2.0, 2.0))
+    assert b.seconds == [2.0, 2.0]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,30 +60,6 @@ def test_count_params_exclude_embedding_drops_only_the_lookup_table():
     cfg = ModelConfig(vocab_size=65)
     model = Transformer(cfg)
     assert count_params(model) - count_params(model, exclude_embedding=True) == 65 * 128
-
-
-def test_peak_flops_on_cpu_is_measured_once_then_read_from_cache(tmp_path, monkeypatch):
-    """Catches: the CPU peak re-measured on every call (seconds at every start, and an MFU
-    denominator that drifts between runs), a cache that is not written, or a cache key without
-    the dtype or thread count (a 1-thread figure reused for 8 threads)."""
-    monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
-    calls = []
-    real = hardware.measure_matmul_flops_per_s
-
-    def counted(device, dtype):
-        calls.append(dtype)
-        return real(device, dtype)
-
-    monkeypatch.setattr(hardware, "measure_matmul_flops_per_s", counted)
-    first = hardware.peak_flops_per_s(torch.device("cpu"), torch.float32)
-    second = hardware.peak_flops_per_s(torch.device("cpu"), torch.float32)
-    assert math.isfinite(first) and first > 0
-    assert second == first
-    assert calls == [torch.float32]
-    cached = json.loads((tmp_path / "peak_flops.json").read_text())
-    (key,) = cached
-    assert "torch.float32" in key and f"threads={torch.get_num_threads()}" in key
-    assert cached[key] == first
 
 
 def test_gpu_names_match_the_most_specific_datasheet_entry():

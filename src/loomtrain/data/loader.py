@@ -187,14 +187,13 @@ class DistributedBatchLoader:
         self._perms = {}
 
 
-def eval_batches(
-    tokens: Tensor, seq_len: int, micro_batch_size: int, n_batches: int, dp_rank: int, dp_size: int
-) -> list[Batch]:
-    """Fixed validation micro-batches for rank ``dp_rank``: the same every call.
+def eval_batches(tokens: Tensor, seq_len: int, micro_batch_size: int, n_batches: int) -> list[Batch]:
+    """The fixed validation set: the same ``n_batches`` micro-batches at every call and world size.
 
-    ``n_batches * dp_size * micro_batch_size`` windows are spread evenly over the validation
-    windows (cycling through them if there are fewer), and laid out over ranks as in
-    :class:`DistributedBatchLoader`, so ranks get disjoint windows whenever enough exist.
+    ``n_batches * micro_batch_size`` windows are spread evenly over the validation windows
+    (cycling through them if there are fewer), ``micro_batch_size`` consecutive ones per
+    micro-batch. The set does not depend on the number of ranks, so neither does a loss over it;
+    the caller shares the micro-batches out among the data-parallel ranks.
 
     Returns:
         ``n_batches`` pairs (x, y), each int64 ``[micro_batch_size, seq_len]``.
@@ -203,13 +202,9 @@ def eval_batches(
         ValueError: fewer tokens than one window.
     """
     n_windows = _n_windows(tokens, seq_len)
-    total = n_batches * dp_size * micro_batch_size
+    total = n_batches * micro_batch_size
     if total <= n_windows:
         spread = torch.arange(total) * n_windows // total
     else:
         spread = torch.arange(total) % n_windows
-    batches = []
-    for b in range(n_batches):
-        positions = _micro_batch_positions(b, dp_rank, dp_size, micro_batch_size)
-        batches.append(_gather(tokens, spread[positions.start : positions.stop], seq_len))
-    return batches
+    return [_gather(tokens, windows, seq_len) for windows in spread.split(micro_batch_size)]

@@ -282,6 +282,7 @@ class PipelineBalancer:
         self.left: list[list[int]] | None = None
         self.seconds: list[float] | None = None
         self.rebalances = 0
+        self.rebuilt = False
 
     @property
     def boundaries(self) -> list[int]:
@@ -289,7 +290,13 @@ class PipelineBalancer:
         return [stage[0] for stage in self.stages[1:]]
 
     def record(self, record: StepRecord) -> None:
-        """Fold one step's measured stage times (from the pipeline executor) into the average."""
+        """Fold one step's measured stage times (from the pipeline executor) into the average.
+
+        The first step after a move is dropped: the rebuilt stages allocate and initialise
+        lazily in it, which would charge one rank for a warm-up rather than its speed."""
+        if self.rebuilt:
+            self.rebuilt = False
+            return
         now = stage_balance.stage_seconds(record, len(self.stages))
         old = self.seconds or [None] * len(now)
         self.seconds = [moving_average(a, b, self.smoothing) for a, b in zip(old, now, strict=True)]
@@ -320,7 +327,7 @@ class PipelineBalancer:
             return None
         decision = StageRebalance(step, self.boundaries, [s[0] for s in proposal[1:]], now, then, speeds)
         self.left, self.stages, self.seconds = self.stages, proposal, None  # old times no longer apply
-        self.rebalances += 1
+        self.rebalances, self.rebuilt = self.rebalances + 1, True
         return decision
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,80 @@
+"""The command lines of etcd rendezvous on an emulated cluster (``loomtrain.cluster.etcd``,
+``launch.cluster_commands``), checked without starting anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loomtrain.cluster.emulated import Cluster, ClusterError, ClusterSpec
+from loomtrain.cluster.etcd import member_argv, missing_etcd, plan_members
+from loomtrain.launch import cluster_commands
+
+
+def planned(hosts: int) -> Cluster:
+    """A cluster description as ``cluster_up`` plans it (nothing is made)."""
+    spec = ClusterSpec(hosts=hosts, procs_per_host=2, name="u")
+    return Cluster(spec, "lt-u-sw", [f"lt-u-h{i}" for i in range(hosts)],
+                   [f"198.18.9.{i + 1}" for i in range(hosts)], Path("/nonexistent/u.json"))  # fmt: skip
+
+
+def flag(argv: list[str], name: str) -> str:
+    """The value of ``name VALUE`` or ``name=VALUE`` in ``argv``."""
+    for i, a in enumerate(argv):
+        if a == name:
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def test_each_member_listens_on_its_own_host_only_and_knows_all_peers(tmp_path):
+    """Catches: a member listening on every address (0.0.0.0) or on another host's, a peer list
+    missing a member (the cluster would never reach quorum), the v2 API left off (torchrun's
+    etcd-v2 backend gets 404s), and data directories outside the job's own root."""
+    members = plan_members(planned(3), tmp_path)
+    peers = "h0=http://198.18.9.1:2380,h1=http://198.18.9.2:2380,h2=http://198.18.9.3:2380"
+    for i, m in enumerate(members):
+        argv = member_argv(m, members, "job-7")
+        assert argv[0] == "etcd" and flag(argv, "--enable-v2") == "true"
+        for name in ("--listen-client-urls", "--advertise-client-urls"):
+            assert flag(argv, name) == f"http://198.18.9.{i + 1}:2379"
+        for name in ("--listen-peer-urls", "--initial-advertise-peer-urls"):
+            assert flag(argv, name) == f"http://198.18.9.{i + 1}:2380"
+        assert flag(argv, "--initial-cluster") == peers
+        assert flag(argv, "--initial-cluster-token") == "job-7"
+        assert flag(argv, "--data-dir") == str(tmp_path / f"h{i}")
+        assert flag(argv, "--name") == f"h{i}"
+
+
+def test_each_agent_uses_its_own_hosts_member_through_etcd_v2():
+    """Catches: every agent pointed at host 0's member (losing host 0 would cut the survivors off
+    the rendezvous, as with c10d), the c10d backend or its ``is_host`` left in place."""
+    c = planned(3)
+    endpoints = [m.endpoint for m in plan_members(c, Path("/unused"))]
+    for i, cmd in enumerate(cluster_commands(c, ["-m", "loomtrain.cli", "train"], None, "r", etcd_endpoints=endpoints)):
+        assert cmd[:4] == ["ip", "netns", "exec", f"lt-u-h{i}"]
+        assert flag(cmd, "--rdzv-backend") == "etcd-v2"
+        assert flag(cmd, "--rdzv-endpoint") == f"198.18.9.{i + 1}:2379"
+        assert flag(cmd, "--local-addr") == f"198.18.9.{i + 1}"
+        assert "is_host" not in flag(cmd, "--rdzv-conf")
+    c10d = cluster_commands(c, ["-m", "loomtrain.cli", "train"], None, "r")
+    assert {flag(cmd, "--rdzv-endpoint") for cmd in c10d} == {"198.18.9.1:29400"}
+
+
+def test_too_few_hosts_are_refused():
+    """Catches: etcd rendezvous accepted on 2 hosts, where losing either leaves no quorum (the
+    job would die exactly as with c10d)."""
+    with pytest.raises(ClusterError, match="at least 3 hosts"):
+        plan_members(planned(2), Path("/unused"))
+
+
+def test_missing_etcd_binary_names_the_install_command(monkeypatch, tmp_path):
+    """Catches: a launch that starts agents although etcd is not installed (they would fail one
+    by one with an opaque connection error) instead of one line naming the install command."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    message = missing_etcd()
+    assert message is not None
+    assert "--distributed.rendezvous=etcd" in message and "`etcd` binary" in message
+    assert "apt-get install etcd-server" in message and "pip install python-etcd" in message
