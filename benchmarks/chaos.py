@@ -5,9 +5,11 @@ Faults (issue #23), each against a clean run of the same job measured in the sam
 - ``worker``: ``kill -9`` of a random worker at ``--faults`` random steps of ``--elastic``
   ``--nproc 2``; every restart is same-size.
 - ``shrink``: ``kill -9`` of one torchrun agent (a one-process node; its worker dies with it) of
-  ``--elastic --nproc 3 --min-nproc 2``; the job goes on with 2 ranks.
+  ``--elastic --nproc 3 --min-nproc 2``, not the one serving the c10d rendezvous store; the job
+  goes on with 2 ranks.
 - ``launcher``: ``kill -9`` of ``loomtrain train`` itself: no process of the job may be left
-  after 10 s, and the same command started again resumes from the last checkpoint.
+  after 10 s, and the same command started again with ``--resume auto`` resumes from the last
+  checkpoint.
 - ``host`` and ``rendezvous_host`` (root only): an emulated cluster of 3 hosts with
   ``--distributed.rendezvous=etcd``; every process of host 2, or of host 0 (which started the
   job), is killed; the job ends on the other two.
@@ -89,18 +91,28 @@ def pids_of(job: Job, needle: bytes) -> list[int]:
     return sorted(found)
 
 
+def serves_store(pid: int) -> bool:
+    """Whether the torchrun agent ``pid`` hosts the c10d rendezvous store (``is_host=1``)."""
+    return b"is_host=1" in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def after(job: Job, since: float, kind: str) -> dict | None:
     """The first ``kind`` event of ``job`` logged at or after ``since`` (Unix s)."""
     return next((e for e in EventLog(job.run, enabled=False).read() if e["event"] == kind and e["time"] >= since), None)
 
 
 def outcome(job: Job, code: int, since: float, clean: float | None, fault: str, **extra) -> dict:
-    """One fault's row: finished, recovery seconds, steps redone and the val loss delta."""
+    """One fault's row: finished, recovery seconds (and when the launcher saw the failure and
+    the new attempt's trainer started: the rest is rendezvous and process start-up), steps
+    redone and the val loss delta."""
     loaded, redo = after(job, since, "checkpoint_loaded"), after(job, since, "steps_redone")
+    seen, started = after(job, since, "worker_failed"), after(job, since, "start")
     val = job.val_loss()
     return {
         "fault": fault, **extra, "exit_code": code, "finished": code == 0 and last_logged_step(job.run) == job.steps,
         "recovery_s": None if loaded is None else loaded["time"] - since,
+        "failure_seen_s": None if seen is None else seen["time"] - since,
+        "attempt_started_s": None if started is None else started["time"] - since,
         "resumed_step": None if loaded is None else loaded["step"],
         "steps_redone": 0 if redo is None else redo["count"],
         "val_loss": val, "val_loss_rel_delta": None if val is None or clean is None else (val - clean) / clean,
@@ -143,7 +155,9 @@ def shrink_fault(out: Path, args, rng: random.Random) -> list[dict]:
               "--max-restarts", "3")  # fmt: skip
     proc = job.start()
     job.wait_for_step(rng.randrange(args.interval + 5, 2 * args.interval), proc)
-    agent = rng.choice(pids_of(job, b"torch.distributed.run"))
+    # Not the agent serving the c10d rendezvous store (is_host=1): its loss ends the job, as
+    # losing host 0 does without etcd (the "rendezvous_host" case).
+    agent = rng.choice([p for p in pids_of(job, b"torch.distributed.run") if not serves_store(p)])
     at, step = time.time(), last_logged_step(job.run)
     os.kill(agent, signal.SIGKILL)
     code = proc.wait(timeout=3600)
@@ -164,7 +178,7 @@ def launcher_fault(out: Path, args, rng: random.Random) -> list[dict]:
         left = pids_of(job, b"loomtrain.cli")
         time.sleep(0.1)
     restart = time.time()
-    code = subprocess.run(job.cmd, env=ENV, capture_output=True).returncode
+    code = subprocess.run([*job.cmd, "--resume", "auto"], env=ENV, capture_output=True).returncode
     return [outcome(job, code, restart, clean, "launcher", killed_at_step=step, orphans_after_10s=len(left))]
 
 

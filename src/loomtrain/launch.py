@@ -40,6 +40,8 @@ from loomtrain.metrics import EventLog
 if TYPE_CHECKING:
     from loomtrain.cluster.emulated import Cluster
 
+# torchrun's etcd-v2 rendezvous retrying through an etcd leader election (cluster/etcd_backend.py).
+ETCD_BACKEND = "loomtrain-etcd"
 # torchrun's default rendezvous port; each emulated host has its own port space.
 RDZV_PORT = 29400
 # Seconds the rendezvous waits for more nodes once the minimum has joined.
@@ -69,8 +71,8 @@ class ElasticSpec:
 def torchrun_argv(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, max_restarts: int,
                   rdzv_conf: dict[str, str] | None = None, node_rank: int | None = None,
                   local_addr: str | None = None, backend: str = "c10d") -> list[str]:  # fmt: skip
-    """One torchrun agent's command line with ``backend`` rendezvous (``c10d``, or ``etcd-v2``:
-    see ``loomtrain.cluster.etcd``) at ``rdzv_endpoint`` (``host:port``), what a user types on
+    """One torchrun agent's command line with ``backend`` rendezvous (``c10d``, or
+    ``loomtrain-etcd``: see ``loomtrain.cluster.etcd``) at ``rdzv_endpoint`` (``host:port``), what a user types on
     each machine of a multi-node job (torchrun docs, "Elastic launch").
 
     ``nnodes`` is ``"N"`` or ``"MIN:MAX"``; ``local_addr`` is the address peers reach this node
@@ -130,8 +132,8 @@ def cluster_commands(cluster: Cluster, worker: list[str], elastic: ElasticSpec |
     running ``procs_per_host`` copies of ``worker`` (e.g. ``["-m", "loomtrain.cli", "train", ...]``):
     ``--nnodes H`` (elastic: ``MIN:MAX`` hosts), ``--node-rank i``, ``--local-addr`` the host's own
     address. The rendezvous is c10d, served by host 0; with ``etcd_endpoints`` (``ADDRESS:PORT``
-    per host, see ``loomtrain.cluster.etcd``) it is ``etcd-v2``, host ``i`` using
-    ``etcd_endpoints[i]``, so no host is needed by the others."""
+    per host, see ``loomtrain.cluster.etcd``) it is ``loomtrain-etcd`` (torchrun's etcd-v2,
+    retrying), host ``i`` using ``etcd_endpoints[i]``, so no host is needed by the others."""
     hosts, nproc = cluster.spec.hosts, cluster.spec.procs_per_host
     nnodes = str(hosts) if elastic is None else f"{elastic.min_nodes}:{elastic.max_nodes}"
     restarts = 0 if elastic is None else elastic.max_restarts
@@ -146,7 +148,7 @@ def cluster_commands(cluster: Cluster, worker: list[str], elastic: ElasticSpec |
             endpoint = f"{cluster.address(0)}:{port}"
         else:
             endpoint = etcd_endpoints[i]
-        backend = "c10d" if etcd_endpoints is None else "etcd-v2"
+        backend = "c10d" if etcd_endpoints is None else ETCD_BACKEND
         agent = torchrun_argv(nnodes, nproc, endpoint, run_id, restarts, conf, i, cluster.address(i), backend)
         cmds.append(cluster.exec_argv(i, [*agent, *worker]))
     return cmds

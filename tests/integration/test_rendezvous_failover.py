@@ -72,6 +72,38 @@ while not leads(sys.argv[1]):
 """
 
 
+# One rendezvous-state write and read through loomtrain's retrying backend around torchrun's
+# etcd-v2 backend, at the member argv[1], issued when a line arrives on stdin: the moment the
+# leader's host is lost, when a plain write times out ("request timed out, possibly due to
+# previous leader failure").
+RETRYING = """
+import sys, etcd
+from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
+from loomtrain.cluster.etcd_backend import RetryingBackend
+host, port = sys.argv[1].split(":")
+backend = RetryingBackend(EtcdRendezvousBackend(etcd.Client(host=host, port=int(port), read_timeout=10), "r"))
+print("ready", flush=True)
+sys.stdin.readline()
+_, _, written = backend.set_state(b"after the leader was lost")
+assert written and backend.get_state()[0] == b"after the leader was lost"
+"""
+
+
+def write_as_the_leader_dies(c, writer: int, endpoint: str, leader: int) -> None:
+    """Kill every process of host ``leader`` while a rendezvous write through ``endpoint``
+    (from inside host ``writer``) is issued at the same moment; the write must succeed."""
+    proc = subprocess.Popen(c.exec_argv(writer, [sys.executable, "-c", RETRYING, endpoint]), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+        c.kill_host(leader)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=90) == 0, proc.stderr.read()[-2000:]
+    finally:
+        proc.kill()
+
+
 def make_leader(c, host: int, live: list[int]) -> None:
     """Move the etcd leadership to ``host``'s member, ``live`` the hosts whose members run. Before
     losing a host: the worst case (the survivors must elect a new leader, and writes in flight
@@ -97,15 +129,16 @@ def data_roots(pid: int) -> list[Path]:
 
 def test_members_form_one_cluster_that_outlives_any_host_and_leave_nothing(tmp_path):
     """Catches: members that do not form one cluster (a key written on host 1 missing on host 2),
-    a cluster that loses its quorum with host 0 (writes on the survivors would fail), and
-    members or data directories left behind when the launcher is done."""
+    a cluster that loses its quorum with host 0 (writes on the survivors would fail), a
+    rendezvous write issued while the survivors elect a new leader that fails instead of being
+    retried (the agent would die), and members or data directories left behind."""
     with cluster(tmp_path, 3, 1) as c:
         with etcd_members(c, token="t") as members:
             ends = [m.endpoint for m in members]
             make_leader(c, 0, [0, 1, 2])
             assert etcd_client(c, 1, ends[1], "a", "1", "a") == "1"
             assert etcd_client(c, 2, ends[2], "b", "2", "a", "b") == "1,2"
-            c.kill_host(0)
+            write_as_the_leader_dies(c, 1, ends[1], leader=0)
             make_leader(c, 2, [1, 2])
             assert etcd_client(c, 2, ends[2], "c", "3", "a", "c") == "1,3"
             assert etcd_client(c, 1, ends[1], "d", "4", "b", "c", "d") == "2,3,4"

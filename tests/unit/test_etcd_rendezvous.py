@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from loomtrain.cluster.emulated import Cluster, ClusterError, ClusterSpec
 from loomtrain.cluster.etcd import member_argv, missing_etcd, plan_members
-from loomtrain.launch import cluster_commands
+from loomtrain.cluster.etcd_backend import RetryingBackend, create_retrying_handler
+from loomtrain.launch import ETCD_BACKEND, cluster_commands
 
 
 def planned(hosts: int) -> Cluster:
@@ -55,7 +59,7 @@ def test_each_agent_uses_its_own_hosts_member_through_etcd_v2():
     endpoints = [m.endpoint for m in plan_members(c, Path("/unused"))]
     for i, cmd in enumerate(cluster_commands(c, ["-m", "loomtrain.cli", "train"], None, "r", etcd_endpoints=endpoints)):
         assert cmd[:4] == ["ip", "netns", "exec", f"lt-u-h{i}"]
-        assert flag(cmd, "--rdzv-backend") == "etcd-v2"
+        assert flag(cmd, "--rdzv-backend") == "loomtrain-etcd"
         assert flag(cmd, "--rdzv-endpoint") == f"198.18.9.{i + 1}:2379"
         assert flag(cmd, "--local-addr") == f"198.18.9.{i + 1}"
         assert "is_host" not in flag(cmd, "--rdzv-conf")
@@ -78,3 +82,51 @@ def test_missing_etcd_binary_names_the_install_command(monkeypatch, tmp_path):
     assert message is not None
     assert "--distributed.rendezvous=etcd" in message and "`etcd` binary" in message
     assert "apt-get install etcd-server" in message and "pip install python-etcd" in message
+
+
+class FlakyBackend:
+    """A rendezvous backend whose first ``failures`` calls fail as torchrun's etcd backend does
+    while etcd has no leader; its state is a plain value."""
+
+    def __init__(self, failures: int):
+        self.failures, self.calls, self.state = failures, 0, None
+
+    def _call(self):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RendezvousConnectionError("The connection to etcd has failed.")
+
+    def get_state(self):
+        self._call()
+        return self.state
+
+    def set_state(self, state, token=None):
+        self._call()
+        self.state = (state, 1)
+        return state, 1, True
+
+
+def test_retrying_backend_rides_out_a_leader_election_but_not_a_lost_cluster():
+    """Catches: a rendezvous read or write that fails during an etcd leader election ending the
+    agent (torchrun's backend raises at once), and retries that never end when the cluster is
+    really gone (the job would hang instead of failing)."""
+    flaky = FlakyBackend(failures=3)
+    backend = RetryingBackend(flaky, retry_s=5, pause_s=0.01)
+    assert backend.set_state(b"s") == (b"s", 1, True) and flaky.calls == 4
+    assert backend.get_state() == (b"s", 1)
+    gone = RetryingBackend(FlakyBackend(failures=10**9), retry_s=0.2, pause_s=0.01)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError):
+        gone.get_state()
+    assert time.monotonic() - start < 2
+
+
+def test_torchrun_finds_the_retrying_backend_by_name():
+    """Catches: the ``torchrun.handlers`` entry point missing or misnamed, so the agents'
+    ``--rdzv-backend loomtrain-etcd`` is unknown to torchrun."""
+    import torch.distributed.elastic.rendezvous.registry  # noqa: F401  (registers the plugins)
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    (plugin,) = [e for e in entry_points(group="torchrun.handlers") if e.name == ETCD_BACKEND]
+    assert plugin.load()() is create_retrying_handler
+    assert rendezvous_handler_registry._registry[ETCD_BACKEND] is create_retrying_handler
