@@ -144,7 +144,8 @@ def pipeline_even(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.parametrize(
     ("world", "extra"),
     [
-        (2, ["--simulate.rank_speed=[0.9, 0.45]"]),
+        # Slow (make test-all): pp2_dp2 moves the same layers and also checks the replicas agree.
+        pytest.param(2, ["--simulate.rank_speed=[0.9, 0.45]"], marks=pytest.mark.slow),
         (4, ["--simulate.rank_speed=[0.6, 0.6, 0.3, 0.3]"]),
     ],
     ids=["pp2", "pp2_dp2"],

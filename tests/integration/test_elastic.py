@@ -101,28 +101,6 @@ def assert_one_line_per_event(text: str, run: Path) -> None:
     assert ("worker_failed", -9) in kinds, kinds
 
 
-def test_sigterm_to_launcher_saves_a_checkpoint_and_exits_0(tmp_path):
-    """Catches: preemption that loses the steps since the last periodic checkpoint; and on the
-    console, torchrun's SignalException traceback after the graceful stop, or a stop without
-    its one line."""
-    console = tmp_path / "console.txt"
-    proc = start_cli("--nproc", "2", "--training.steps=100000", "--checkpoint.interval=100000",
-                     f"--run.out_dir={tmp_path}", console=console)  # fmt: skip
-    run = tmp_path / "shakespeare_char"
-    wait_for_step(run, 5, proc, console=console)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, console.read_text()
-    text = console.read_text()
-    stop = [x for x in text.splitlines() if x.startswith("stop requested (SIGTERM): checkpoint at step ")]
-    assert "Traceback" not in text and len(stop) == 1 and stop[0].endswith("exiting 0"), text
-    assert ("stop", 0) in [(e["event"], e.get("exitcode")) for e in events(run) if e.get("source") == "launcher"]
-    preempted = [e for e in events(run) if e["event"] == "preempted"]
-    assert len(preempted) == 1 and preempted[0]["step"] >= 5
-    latest = find_latest_checkpoint(run / "checkpoints")
-    assert latest is not None and latest.name == preempted[0]["checkpoint"]
-    assert verify_checkpoint(latest) is None
-
-
 def job_pids(marker: str) -> list[int]:
     """Every process but this one whose command line mentions ``marker`` (launcher, torchrun
     agent, workers)."""
@@ -137,11 +115,13 @@ def job_pids(marker: str) -> list[int]:
     return pids
 
 
-def test_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp_path):
+def test_sigkilled_launcher_leaves_no_process_and_sigterm_to_the_resumed_run_checkpoints(tmp_path):
     """Catches (issue #23, item 2): ``kill -9`` of ``loomtrain train`` leaving its torchrun agent
     and workers training on their own (the agent was not tied to the launcher), and a killed
-    run that cannot be resumed from its last checkpoint."""
-    out = f"--run.out_dir={tmp_path}"
+    run that cannot be resumed from its last checkpoint. The resumed run then gets SIGTERM:
+    catches preemption that loses the steps since the last periodic checkpoint, a non-zero
+    exit, and (item 6) torchrun's SignalException traceback or a stop without its one line."""
+    out, console = f"--run.out_dir={tmp_path}", tmp_path / "console.txt"
     proc = start_cli("--nproc", "2", "--training.steps=100000", "--checkpoint.interval=2", out)
     run = tmp_path / "shakespeare_char"
     wait_for_step(run, 5, proc)
@@ -154,10 +134,26 @@ def test_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp_path):
         os.kill(pid, signal.SIGKILL)
     assert not left, "processes of the job outlived its launcher"
     resume_from = int(find_latest_checkpoint(run / "checkpoints").name.removeprefix("step_"))
-    again = start_cli("--nproc", "2", f"--training.steps={resume_from + 1}", "--resume", "auto", out)
-    assert again.wait(timeout=120) == 0, again.stderr.read()
+    again = start_cli("--nproc", "2", "--training.steps=100000", "--checkpoint.interval=100000", "--resume", "auto",
+                      out, console=console)  # fmt: skip
+    wait_for_step(run, resume_from + 3, again, console=console)
     loaded = [e for e in events(run) if e["event"] == "checkpoint_loaded"]
     assert loaded and loaded[-1]["step"] == resume_from, loaded
+    again.send_signal(signal.SIGTERM)
+    assert again.wait(timeout=120) == 0, console.read_text()
+    assert_stopped_with_a_checkpoint(run, console.read_text(), resume_from + 3)
+
+
+def assert_stopped_with_a_checkpoint(run: Path, text: str, at_least: int) -> None:
+    """A SIGTERMed run: one preemption checkpoint at the step reached, verified, one stop line."""
+    preempted = [e for e in events(run) if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["step"] >= at_least, preempted
+    latest = find_latest_checkpoint(run / "checkpoints")
+    assert latest is not None and latest.name == preempted[0]["checkpoint"]
+    assert verify_checkpoint(latest) is None
+    stop = [x for x in text.splitlines() if x.startswith("stop requested (SIGTERM): checkpoint at step ")]
+    assert "Traceback" not in text and len(stop) == 1 and stop[0].endswith("exiting 0"), text
+    assert ("stop", 0) in [(e["event"], e.get("exitcode")) for e in events(run) if e.get("source") == "launcher"]
 
 
 def planned_samples(run: Path, steps: int) -> dict[int, list[int]]:

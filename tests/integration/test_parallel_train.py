@@ -51,8 +51,7 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
 @pytest.mark.parametrize(
     "name, world, extra",
     [
-        # Slow: pp2_tp2_dp2 runs the same plain dp × tp gradient path (and the zero variants below).
-        pytest.param("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"], marks=pytest.mark.slow),
+        ("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"]),
         ("tp2_megatron_sp", 2, ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"]),
         # Slow: whole-trainer repeats of compositions the distributed tests check layer by layer.
         pytest.param(
@@ -75,7 +74,13 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
         ),
         ("dp2_tp2_zero3", 4, ["--parallel.tensor_parallel_degree=2", "--data_parallel.zero_stage=3"]),
         ("pp2_dp2_zero1", 4, ["--parallel.pipeline_parallel_degree=2", "--data_parallel.zero_stage=1"]),
-        ("pp2_tp2_dp2", 8, ["--parallel.pipeline_parallel_degree=2", "--parallel.tensor_parallel_degree=2"]),
+        # Slow: 8 processes; pp × tp is in tests/distributed/test_pipeline.py, dp × tp above.
+        pytest.param(
+            "pp2_tp2_dp2",
+            8,
+            ["--parallel.pipeline_parallel_degree=2", "--parallel.tensor_parallel_degree=2"],
+            marks=pytest.mark.slow,
+        ),
         (
             "dp2_tp2_megatron_sp_zero2",
             4,
@@ -130,9 +135,9 @@ def two_way(tmp_path_factory):
     "axis, world, extra",
     [
         ("tp", 1, []),
-        # Slow (make test-all): pp2_to_pp2_dp2 loads the same pipeline checkpoint in make test.
-        pytest.param("pp", 1, [], marks=pytest.mark.slow),
-        ("pp", 4, ["--parallel.pipeline_parallel_degree=2"]),
+        ("pp", 1, []),
+        # Slow (make test-all): pp2_to_one loads the same pipeline checkpoint in make test.
+        pytest.param("pp", 4, ["--parallel.pipeline_parallel_degree=2"], marks=pytest.mark.slow),
     ],
     ids=["tp2_to_one", "pp2_to_one", "pp2_to_pp2_dp2"],
 )
