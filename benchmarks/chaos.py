@@ -39,6 +39,7 @@ from pathlib import Path
 
 from loomtrain.cluster.emulated import ClusterSpec, emulated_cluster, missing_requirements
 from loomtrain.cluster.etcd import missing_etcd
+from loomtrain.launch import command_lines
 from loomtrain.metrics import EventLog, last_logged_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,17 +79,8 @@ class Job:
 def pids_of(job: Job, needle: bytes) -> list[int]:
     """PIDs of ``job`` (its ``--run.name`` and ``--run.out_dir`` on their command line) whose
     command line holds ``needle``."""
-    marks, found = [f"--run.name={job.run.name}".encode(), f"--run.out_dir={job.run.parent}".encode()], []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if needle in cmd and all(m in cmd for m in marks):
-            found.append(int(entry.name))
-    return sorted(found)
+    marks = [f"--run.name={job.run.name}".encode(), f"--run.out_dir={job.run.parent}".encode()]
+    return sorted(pid for pid, cmd in command_lines() if needle in cmd and all(m in cmd for m in marks))
 
 
 def serves_store(pid: int) -> bool:

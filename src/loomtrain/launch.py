@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -310,18 +311,21 @@ def _tell_exits(procs: list[subprocess.Popen], story: Story, pumps: list[list[th
             story.agent_exited(i, p.returncode, any(q.poll() is None for q in procs))
 
 
-def local_worker_pids(marker: str) -> list[int]:
-    """PIDs of this machine's training workers (``python -u -m loomtrain.cli``, as torchrun
-    starts them) whose command line contains ``marker`` (e.g. the run's out_dir); for fault
-    injection in tests and the chaos benchmark."""
-    pids = []
+def command_lines() -> Iterator[tuple[int, list[bytes]]]:
+    """``(pid, argv)`` of every process on this machine whose ``/proc/<pid>/cmdline`` is
+    readable (a process that ends meanwhile is skipped), for finding a job's processes."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"-u" in cmd and b"loomtrain.cli" in cmd and any(marker.encode() in c for c in cmd):
-            pids.append(int(entry.name))
-    return sorted(pids)
+
+
+def local_worker_pids(marker: str) -> list[int]:
+    """PIDs of this machine's training workers (``python -u -m loomtrain.cli``, as torchrun
+    starts them) whose command line contains ``marker`` (e.g. the run's out_dir); for fault
+    injection in tests and the chaos benchmark."""
+    return sorted(pid for pid, cmd in command_lines()
+                  if b"-u" in cmd and b"loomtrain.cli" in cmd and any(marker.encode() in c for c in cmd))  # fmt: skip

@@ -18,7 +18,7 @@ from loomtrain.checkpoint import find_latest_checkpoint, load_model_weights, ver
 from loomtrain.config import load_config
 from loomtrain.data import DistributedBatchLoader, encode_to_tensor, load_corpus, load_tokenizer
 from loomtrain.distributed.spawn import spawn
-from loomtrain.launch import local_worker_pids
+from loomtrain.launch import command_lines, local_worker_pids
 from loomtrain.metrics import EventLog, last_logged_step
 from loomtrain.models import Transformer
 from tests.integration.test_train import TINY, losses, run_train
@@ -104,15 +104,7 @@ def assert_one_line_per_event(text: str, run: Path) -> None:
 def job_pids(marker: str) -> list[int]:
     """Every process but this one whose command line mentions ``marker`` (launcher, torchrun
     agent, workers)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+    return [pid for pid, cmd in command_lines() if pid != os.getpid() and any(marker.encode() in c for c in cmd)]
 
 
 def test_sigkilled_launcher_leaves_no_process_and_sigterm_to_the_resumed_run_checkpoints(tmp_path):
