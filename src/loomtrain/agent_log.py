@@ -19,6 +19,7 @@ and the trainer's ``[loomtrain] kind: key=value, ...`` event lines (``loomtrain.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -169,7 +170,7 @@ class Story:
 
     def say(self, text: str) -> None:
         """Print one story line on the console."""
-        with self.lock:
+        with self.lock, contextlib.suppress(OSError, ValueError):  # a closed console (see Pump._write)
             print(text, file=self.console, flush=True)
 
     def record(self, kind: str, **fields) -> None:
@@ -372,5 +373,8 @@ class Pump:
 
     @staticmethod
     def _write(stream: BinaryIO, data: bytes) -> None:
-        stream.write(data)
-        stream.flush()
+        # A console closed by the reader (``loomtrain train | head``) or a full disk must not end
+        # the pump: the agent and its workers would block on the undrained pipe and the job hang.
+        with contextlib.suppress(OSError, ValueError):
+            stream.write(data)
+            stream.flush()

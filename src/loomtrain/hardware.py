@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import platform
-import tempfile
 import time
 import warnings
 from datetime import UTC, datetime, timedelta
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from loomtrain.cache import cache_dir, write_atomic
 
 
 class GpuPeak(NamedTuple):
@@ -380,8 +381,7 @@ def _clock_ghz(cpus: list[dict[str, str]], sysfs: Path) -> tuple[float | None, b
 
 def cache_path() -> Path:
     """The measured-peak cache: ``$LOOMTRAIN_CACHE_DIR/peak_flops.json`` or ``~/.cache/loomtrain/...``."""
-    root = os.environ.get("LOOMTRAIN_CACHE_DIR") or Path.home() / ".cache" / "loomtrain"
-    return Path(root) / "peak_flops.json"
+    return cache_dir() / "peak_flops.json"
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, budget_s: float = BENCH_BUDGET_S) -> Measurement:
@@ -468,9 +468,5 @@ def _aware_iso(text) -> str | None:
 def _write_cache(path: Path, key: str, entry: CacheEntry) -> None:
     """Add ``key`` to the cache; written to a temporary file and renamed so that ranks writing
     at once never leave a torn file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     entries = {k: v._asdict() for k, v in _read_cache(path).items()} | {key: entry._asdict()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".peak_flops.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(entries, indent=1, sort_keys=True).encode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pyarrow as pa
@@ -42,6 +43,26 @@ def test_all_38_plays_found_and_markdown_stripped():
     assert "\nSAMPSON:\nGregory, o' my word, we'll not carry coals.\n\nGREGORY:\n" in romeo
     assert "SCENE I. Verona. A public place." in romeo
     assert "  \n" not in text and "\n\n\n" not in text
+
+
+def test_parsed_plays_cache_is_rebuilt_when_torn_and_keyed_by_text_and_parser(tmp_path, monkeypatch):
+    """Catches: a torn or corrupt cache file that crashes every start (or is served as the
+    corpus), a cache not written (every start parses again), and a key blind to the plays' text
+    or to the parser (a changed parser would keep training on the old text)."""
+    from loomtrain.data import corpus
+
+    monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
+    parse = corpus._parsed_plays.__wrapped__  # skip the per-process memo
+    fresh = parse()
+    (cached,) = tmp_path.glob("shakespeare-*.json")
+    assert parse() == fresh
+    cached.write_text('[["hamlet", "torn')
+    assert parse() == fresh and json.loads(cached.read_text()) == [list(p) for p in fresh]
+    raw = [(slug, f.read_text(encoding="utf-8")) for slug, f in corpus._play_files().items()]
+    key = corpus._parse_key(raw)
+    assert corpus._parse_key([*raw[:-1], (raw[-1][0], raw[-1][1] + "x")]) != key
+    monkeypatch.setattr(corpus, "_EMPHASIS", re.compile(r"[*]"))
+    assert corpus._parse_key(raw) != key
 
 
 def test_val_plays_are_held_out_whole_not_leaked_into_train():

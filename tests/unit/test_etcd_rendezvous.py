@@ -121,6 +121,26 @@ def test_retrying_backend_rides_out_a_leader_election_but_not_a_lost_cluster():
     assert time.monotonic() - start < 2
 
 
+def test_an_etcd_call_gives_up_well_before_etcds_own_request_timeout(monkeypatch):
+    """Catches: torchrun's 60 s etcd read timeout left in place. A member that lost its leader
+    holds a call for etcd's request timeout (7 s), and the agent holds its rendezvous lock
+    meanwhile: the survivors of a lost host saw their failed workers 7.4-7.7 s late instead of
+    about 2 s (measured). A timeout the user sets (``--rdzv-conf read_timeout=N``) is kept."""
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, etcd_rendezvous_backend
+
+    seen = []
+
+    def create_backend(params):
+        seen.append(params.get_as_int("read_timeout", 60))
+        return FlakyBackend(failures=0), HashStore()
+
+    monkeypatch.setattr(etcd_rendezvous_backend, "create_backend", create_backend)
+    create_retrying_handler(RendezvousParameters(ETCD_BACKEND, "198.18.9.1:2379", "r", 2, 3))
+    create_retrying_handler(RendezvousParameters(ETCD_BACKEND, "198.18.9.1:2379", "r", 2, 3, read_timeout="9"))
+    assert seen[0] <= 3 and seen[1] == 9, seen
+
+
 def test_torchrun_finds_the_retrying_backend_by_name():
     """Catches: the ``torchrun.handlers`` entry point missing or misnamed, so the agents'
     ``--rdzv-backend loomtrain-etcd`` is unknown to torchrun."""

@@ -177,6 +177,31 @@ def test_pump_forwards_lines_live_logs_everything_and_keeps_stdout_pure(tmp_path
     assert SIGTERM_STDERR.encode() in log.getvalue() and b"1/10" not in log.getvalue()
 
 
+class ClosedConsole(io.BytesIO):
+    """The launcher's console after its reader went away (``loomtrain train | head``)."""
+
+    def write(self, data):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_console_does_not_stop_the_pump(tmp_path):
+    """Catches: a pump thread that dies at the first write to a console whose reader is gone:
+    the agent's pipe then fills (64 KiB) and the agent and its workers block, a hung job. Every
+    line must still be drained into the debug log, and the story lines must not raise."""
+    s, _ = story(tmp_path)
+    s.console = io.TextIOWrapper(ClosedConsole())
+    s.say("a story line")
+    log = io.BytesIO()
+    r, w = os.pipe()
+    thread = threading.Thread(target=Pump(s, 0, log, ClosedConsole(), True).run, args=(os.fdopen(r, "rb"),))
+    thread.start()
+    lines = b"".join(b"INFO line %d of the trainer's output\n" % i for i in range(5000))  # > a pipe buffer
+    with os.fdopen(w, "wb") as pipe:
+        pipe.write(lines)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and log.getvalue() == lines
+
+
 AGENT = "import sys, time, json; sys.stdout.write('step 1/9 | loss 4.4\\n'); sys.stdout.flush(); "
 
 

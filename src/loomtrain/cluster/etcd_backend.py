@@ -9,6 +9,14 @@ of an Understandable Consensus Algorithm", USENIX ATC 2014, section 5.2), but to
 and the agent that issued it dies. :class:`RetryingBackend` retries such a read or write for up
 to ``retry_s`` seconds.
 
+A call must also give up before etcd does. A member that lost its leader holds a request until
+etcd's server-side request timeout, 5 s plus two election timeouts (7 s by default; etcd's
+``ServerConfig.ReqTimeout``), and torchrun's agent holds its rendezvous lock meanwhile: a
+keep-alive write stuck there kept the survivors' agents from seeing their failed workers for
+7.4-7.7 s (measured, a lost host whose member led). So each call waits at most ``read_timeout``
+(``READ_TIMEOUT_S`` unless ``--rdzv-conf read_timeout=N`` says otherwise) and is then retried,
+by then against the newly elected leader.
+
 A retried write is safe: the backend's writes are compare-and-swap on the state's etcd index
 (the ``Token``). If a failed attempt had in fact been applied, the retry finds the index moved
 and returns the current state with ``False``, which torchrun's dynamic rendezvous handles as
@@ -33,6 +41,9 @@ T = TypeVar("T")
 NAME = "loomtrain-etcd"  # the --rdzv-backend name this module registers
 RETRY_S = 30.0  # several election timeouts, and well inside torchrun's 600 s join timeout
 RETRY_PAUSE_S = 0.2
+# Seconds one etcd call may take: thousands of LAN round trips, and under etcd's 7 s request
+# timeout, so a call held by a member without a leader is abandoned and retried (module doc).
+READ_TIMEOUT_S = 2
 
 
 class RetryingBackend(RendezvousBackend):
@@ -74,9 +85,11 @@ class RetryingBackend(RendezvousBackend):
 
 def create_retrying_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun's dynamic rendezvous handler over a :class:`RetryingBackend` around its
-    ``etcd-v2`` backend (same parameters: ``--rdzv-endpoint`` an etcd client ``HOST:PORT``)."""
+    ``etcd-v2`` backend (same parameters: ``--rdzv-endpoint`` an etcd client ``HOST:PORT``;
+    ``read_timeout`` defaults to ``READ_TIMEOUT_S`` seconds instead of torchrun's 60)."""
     from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
 
+    params.config.setdefault("read_timeout", READ_TIMEOUT_S)
     backend, store = create_backend(params)
     return create_handler(store, RetryingBackend(backend), params)
 
