@@ -329,6 +329,13 @@ class TrainingConfig(_Section):
         return self
 
 
+# H of DiLoCo (Douillard et al. 2023, §3: 500 inner steps). Plain local SGD averages without an
+# outer momentum to make up for drift, so its period is our choice of 8: short enough that
+# replicas at the learning rates of synchronous training stay close, long enough to cut the
+# bytes eightfold.
+DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500}
+
+
 class DataParallelConfig(_Section):
     """Our bucketed, overlapped gradient all-reduce, or ZeRO sharding (``docs/zero.md``).
 
@@ -380,6 +387,53 @@ class DataParallelConfig(_Section):
     loss_scale_growth_interval: int = Field(
         2000, ge=1, description="fp16 only: consecutive steps without overflow after which the loss scale doubles."
     )
+    mode: Literal["sync", "local_sgd", "diloco"] = Field(
+        "sync",
+        description=(
+            "`sync`: average gradients every step. `local_sgd`: each dp rank steps its own replica and the replicas"
+            " are averaged every `inner_steps` steps. `diloco` (Douillard et al. 2023): the same, but the averaged"
+            " parameter delta is applied by an outer SGD with Nesterov momentum (docs/async_data_parallel.md)."
+        ),
+    )
+    inner_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "local_sgd/diloco: local optimizer steps between two outer steps (H). Unset: 8 for local_sgd, 500 for"
+            " diloco (the DiLoCo paper's H). The last training step always ends with an outer step."
+        ),
+    )
+    outer_lr: float = Field(0.7, gt=0, description="diloco only: the outer SGD's learning rate (DiLoCo §3: 0.7).")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="diloco only: the outer SGD's momentum (DiLoCo §3: Nesterov, 0.9)."
+    )
+    outer_nesterov: bool = Field(
+        True, description="diloco only: Nesterov momentum in the outer SGD (DiLoCo §3); ignored at momentum 0."
+    )
+
+    @property
+    def resolved_inner_steps(self) -> int:
+        """``inner_steps``, or the mode's default when unset (8 for local_sgd, 500 for diloco)."""
+        return self.inner_steps or DEFAULT_INNER_STEPS.get(self.mode, 1)
+
+    @model_validator(mode="after")
+    def _outer_settings_fit_mode(self) -> DataParallelConfig:
+        # Compared with the defaults, not with what was set: a saved config.toml lists every field.
+        fields = DataParallelConfig.model_fields
+        outer = [name for name in ("outer_lr", "outer_momentum", "outer_nesterov")
+                 if getattr(self, name) != fields[name].default]  # fmt: skip
+        if self.mode != "diloco" and outer:
+            raise ValueError(
+                f"data_parallel.{', data_parallel.'.join(outer)} only appl{'ies' if len(outer) == 1 else 'y'} to "
+                "data_parallel.mode='diloco' "
+                f"(got mode={self.mode!r}); drop them or set the mode"
+            )
+        if self.mode == "sync" and self.inner_steps is not None:
+            raise ValueError(
+                "data_parallel.inner_steps only applies to data_parallel.mode='local_sgd' or 'diloco'; drop it or "
+                "set the mode"
+            )
+        return self
 
     @model_validator(mode="after")
     def _precision_needs_zero(self) -> DataParallelConfig:
@@ -448,11 +502,12 @@ class ParallelConfig(_Section):
     pipeline_parallel_degree: int = Field(
         1, ge=1, description="Pipeline-parallel ranks, each holding consecutive layers."
     )
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"] = Field(
         "1f1b",
         description=(
             "Order of micro-batch forwards and backwards on the pipeline; `interleaved_1f1b` needs "
-            "`virtual_stages` ≥ 2."
+            "`virtual_stages` ≥ 2; `zb_h1` (zero bubble, Qi et al. 2024) splits each backward into input and "
+            "weight gradients, runs the latter in 1F1B's cooldown bubble and needs at least pp micro-batches."
         ),
     )
     virtual_stages: int = Field(
@@ -771,6 +826,33 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _local_modes_compose(self) -> Config:
+        """``data_parallel.mode`` local_sgd/diloco runs on plain data parallelism only, for now:
+        one replica per dp rank, nothing sharded, split or compressed inside it."""
+        mode = self.data_parallel.mode
+        if mode == "sync":
+            return self
+        p, b = self.parallel, self.balance
+        plain = [
+            ("data_parallel.zero_stage", self.data_parallel.zero_stage, 0),
+            ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce"),
+            ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1),
+            ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
+            ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, 1),
+            ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
+            ("compression.method", self.compression.method, "none"),
+            ("balance.data", b.data, False),
+            ("balance.samples_per_rank", b.samples_per_rank, []),
+        ]
+        for name, value, needed in plain:
+            if value != needed:
+                raise ValueError(
+                    f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (each dp rank must be "
+                    f"one whole, uncompressed replica); set {name}={needed!r} or data_parallel.mode='sync'"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _compression_starts(self) -> Config:
         warmup, steps = self.compression.warmup_steps, self.training.steps
         if warmup and warmup >= steps:
@@ -897,7 +979,8 @@ class Config(_Section):
 
         Raises:
             ConfigError: global batch not divisible by dp × micro-batch; an interleaved pipeline
-                schedule whose micro-batches per step are not a multiple of the pipeline degree.
+                schedule whose micro-batches per step are not a multiple of the pipeline degree;
+                ``zb_h1`` with fewer micro-batches per step than the pipeline degree.
         """
         t = self.training
         per_step = dp * t.micro_batch_size
@@ -907,6 +990,12 @@ class Config(_Section):
                 f"{dp} × training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
             )
         p, m = self.parallel, self.grad_accum_steps(dp)
+        if p.pipeline_schedule == "zb_h1" and m < p.pipeline_parallel_degree:
+            raise ConfigError(
+                f"parallel.pipeline_schedule='zb_h1' needs at least parallel.pipeline_parallel_degree="
+                f"{p.pipeline_parallel_degree} micro-batches per step (got {m} = training.global_batch_size / "
+                f"(dp {dp} × training.micro_batch_size)); change the batch sizes"
+            )
         if p.pipeline_schedule == "interleaved_1f1b" and m % p.pipeline_parallel_degree:
             raise ConfigError(
                 f"parallel.pipeline_schedule='interleaved_1f1b' needs the micro-batches per step ({m} = "

@@ -27,10 +27,12 @@ GANTT_FILE = "timeline.png"
 _REQUIRED_KEYS = ("schedule", "pp", "virtual_stages", "micro_batches", "steps")
 _US_PER_S = 1e6
 _MS_PER_S = 1e3
-_CATEGORY = {"F": "forward", "B": "backward"}
-# One colour family per direction, so forwards and backwards read apart at a glance, and a
-# shade per virtual chunk within it.
-_COLOURMAP = {"F": "Blues", "B": "Oranges"}
+# "B" is a whole backward, or under a zero-bubble schedule (zb_h1) its input-gradient half, "W"
+# the weight-gradient half.
+_CATEGORY = {"F": "forward", "B": "backward", "W": "weight gradient"}
+# One colour family per kind, so forwards and backwards read apart at a glance, and a shade per
+# virtual chunk within it.
+_COLOURMAP = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 _LABEL_FONT_PT = 7
 
 
@@ -140,8 +142,9 @@ def plot_gantt(timeline: dict[str, Any], path: Path, step: int | None = None) ->
     """Draw one step as a Gantt chart and save it to ``path`` (PNG).
 
     One row per pipeline rank, rank 0 on top; x axis in milliseconds from the step's start.
-    Forwards are blue and backwards orange, a darker shade for each later virtual chunk; the
-    micro-batch number is written in each box wide enough for it.
+    Forwards are blue, backwards orange and split-off weight gradients (zero-bubble schedules)
+    green, a darker shade for each later virtual chunk; the micro-batch number is written in each
+    box wide enough for it.
 
     Args:
         step: the training step to show; None means the last one recorded.
@@ -168,17 +171,19 @@ def plot_gantt(timeline: dict[str, Any], path: Path, step: int | None = None) ->
     ax.set_yticks(range(pp), [f"pp rank {r}" for r in range(pp)])
     ax.set_xlabel("time in step (ms)")
     ax.set_title(_gantt_title(timeline, record), fontsize=10)
-    _add_legend(ax, chunks)
+    _add_legend(ax, chunks, {e["kind"] for _, e in boxes})
     fig.tight_layout()
     _label_boxes(ax, boxes)
     fig.savefig(path, format="png")
 
 
-def _add_legend(ax: Any, chunks: int) -> None:
+def _add_legend(ax: Any, chunks: int, kinds: set[str]) -> None:
     from matplotlib.patches import Patch
 
     handles = []
     for kind, name in _CATEGORY.items():
+        if kind not in kinds:
+            continue
         for chunk in range(chunks):
             label = name if chunks == 1 else f"{name}, chunk {chunk}"
             handles.append(Patch(color=_colour(kind, chunk, chunks), label=label))

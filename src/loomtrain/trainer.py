@@ -23,6 +23,7 @@ from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
 from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
+from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
 from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.preemption import Preemption
@@ -153,11 +154,18 @@ class Trainer:
             # Into the whole model, before parallelize_llama shards it: every layout then starts from these weights.
             load_hf_weights(self.model, cfg.model.init_from)
         self.n_params = count_params(self.model)  # counted whole, before sharding
-        hook = build_comm_hook(cfg.compression, cfg.data_parallel.comm_hook, self.topology)
+        # local_sgd/diloco: inner steps keep each replica's own gradient; the outer sync averages.
+        hook = (
+            LocalOnlyHook()
+            if cfg.data_parallel.mode != "sync"
+            else build_comm_hook(cfg.compression, cfg.data_parallel.comm_hook, self.topology)
+        )
         self.pm = parallelize_llama(self.model, self.dims, cfg, hook)
         self.sync = self.pm.sync
         self.optimizer = build_optimizer(self.model, t)
         self.sync.attach_optimizer(self.optimizer)
+        self.outer = build_outer_sync(cfg.data_parallel, self.model, self.optimizer, self.dims.grad_mesh.get_group(),
+                                      hook)  # fmt: skip
         self.loader = DistributedBatchLoader(
             self.data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, self.dims.dp_rank, self.dims.dp,
             cfg.run.seed,
@@ -200,6 +208,8 @@ class Trainer:
         self.step = self.start_step = state.step
         self.loader.load_state_dict(state.loader)
         self.sync.load_state_dict(state.sync)
+        if self.outer is not None:
+            self.outer.load_state_dict(state.sync["per_rank"].get("outer_sync"))
         if self.balancer is not None:
             self.balancer.load_state_dict(state.balance.get("data", {}))
             self.events("balance_restored", step=state.step, split=self.balancer.split)
@@ -233,6 +243,8 @@ class Trainer:
             with self.metrics.timed_step():
                 loss = train_step(self.pm, self.optimizer, micro_batches, self.cfg, self.device,
                                   self.monitor if measured and self.balancer else None)  # fmt: skip
+                if self.outer is not None:  # local_sgd/diloco; the run ends on an outer step
+                    self.outer.after_inner_step(force=self.step + 1 == t.steps)
             self.step += 1
             if measured:
                 self._balance()
@@ -247,8 +259,16 @@ class Trainer:
         self.profiler.close()
         self.ckpt.finalize()
         if val_loss is None:
-            val_loss = evaluate(self.pm, self.data, self.cfg, self.device)
+            val_loss = self._evaluate()
         return self._finish(loss, val_loss)
+
+    def _global_weights(self):
+        """Where the model holds the run's one model: local_sgd/diloco's θ_global, else as is."""
+        return self.outer.global_weights() if self.outer is not None else contextlib.nullcontext()
+
+    def _evaluate(self) -> float:
+        with self._global_weights():
+            return evaluate(self.pm, self.data, self.cfg, self.device)
 
     def _change_speed(self) -> None:
         """Apply this rank's ``simulate.speed_change`` entries due before the coming step."""
@@ -302,8 +322,13 @@ class Trainer:
         balance = {"data": self.balancer.state_dict()} if self.balancer else {}
         if self.stage_balancer is not None:
             balance["pipeline"] = self.stage_balancer.state_dict()
-        state = TrainState(self.step, self.loader.state_dict(), self.sync.state_dict(), balance)
-        return self.ckpt.save(self.step, self.model, self.optimizer, state, self.pm)
+        sync = self.sync.state_dict()
+        if self.outer is not None:
+            # Each replica's θ_local and inner optimizer state: DCP keeps one copy of plain tensors.
+            sync["per_rank"]["outer_sync"] = self.outer.state_dict()
+        state = TrainState(self.step, self.loader.state_dict(), sync, balance)
+        with self._global_weights():
+            return self.ckpt.save(self.step, self.model, self.optimizer, state, self.pm)
 
     def _stop_for_preemption(self) -> dict:
         """All ranks agreed a SIGTERM arrived: checkpoint this step (unless just done), stop."""
@@ -323,17 +348,21 @@ class Trainer:
         weight = self.step_samples if self.balancer else 1.0
         loss = mean_over_ranks(local_loss, self.device, self.dims.grad_mesh.get_group(), weight)
         record = self.metrics.step_record(loss, lr_at(self.step - 1, self.cfg.training))
+        if self.outer is not None:
+            record["outer_sync_s"] = self.outer.wait_s  # this rank's, summed since the start
         if eval_now:
-            val_loss = record["val_loss"] = evaluate(self.pm, self.data, self.cfg, self.device)
+            val_loss = record["val_loss"] = self._evaluate()
             self.metrics.writer.message(f"step {self.step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
         self.metrics.writer.log(self.step, record)
         return loss, val_loss
 
     def _finish(self, loss: float, val_loss: float) -> dict:
+        outer = {} if self.outer is None else {"outer_sync_s": self.outer.wait_s, "outer_steps": self.outer.outer_steps}
         summary = self.metrics.summary(
             final_step=self.step, start_step=self.start_step, loss=loss, val_loss=val_loss,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             wall_s=time.perf_counter() - self.wall_start, n_params=self.n_params,
+            **outer,
         )  # fmt: skip
         self._close_records()
         self.sync.remove()

@@ -1,6 +1,7 @@
 """Pipeline parallelism against one process: after 3 optimizer steps (SGD with momentum;
 gradient clipping at 0.85, active on the first step, whose norm is 0.86) every parameter
-equals the single-process model's, for each schedule at pp = 2 and 4, interleaved with v = 2,
+equals the single-process model's, for each schedule at pp = 2 and 4 (ZB-H1's split backward
+included), interleaved with v = 2,
 fewer micro-batches than stages, split by time and by explicit boundaries; pp × dp with ZeRO
 stages 0 to 3, and with lossless Top-K compression in the data-parallel reduction, equals dp
 alone at the same dp; pp × Ulysses and pp × Megatron tensor and sequence parallelism
@@ -42,12 +43,14 @@ BASE = [
 ]  # fmt: skip
 PP = "--parallel.pipeline_parallel_degree"
 INTERLEAVED = ["--parallel.pipeline_schedule=interleaved_1f1b", "--parallel.virtual_stages=2"]
+ZB_H1 = "--parallel.pipeline_schedule=zb_h1"
 
 WORLD2 = {
     "dp2": [],
     "pp2_gpipe": [f"{PP}=2", "--parallel.pipeline_schedule=gpipe"],
     "pp2_1f1b": [f"{PP}=2"],
     "pp2_interleaved_v2": [f"{PP}=2", *INTERLEAVED],
+    "pp2_zb_h1": [f"{PP}=2", ZB_H1],
     "pp2_split_by_time": [f"{PP}=2", "--parallel.pipeline_split=time"],
     "pp2_boundaries": [f"{PP}=2", "--parallel.stage_boundaries=[1]"],
 }
@@ -55,9 +58,11 @@ WORLD4 = {
     "pp4_gpipe": [f"{PP}=4", "--parallel.pipeline_schedule=gpipe"],
     "pp4_1f1b": [f"{PP}=4"],
     "pp4_interleaved_v2": [f"{PP}=4", *INTERLEAVED],
+    "pp4_zb_h1": [f"{PP}=4", ZB_H1],
     "pp4_1f1b_m2": [f"{PP}=4", "--training.global_batch_size=4"],
     "pp4_gpipe_m1": [f"{PP}=4", "--parallel.pipeline_schedule=gpipe", "--training.global_batch_size=2"],
     **{f"pp2_dp2_zero{z}": [f"{PP}=2", f"--data_parallel.zero_stage={z}"] for z in (0, 1, 2, 3)},
+    "pp2_dp2_zb_h1_zero3": [f"{PP}=2", ZB_H1, "--data_parallel.zero_stage=3"],
     "pp2_dp2_topk_lossless": [f"{PP}=2", "--compression.method=topk", "--compression.topk_ratio=1.0"],
     "pp2_ulysses2": [f"{PP}=2", "--parallel.sequence_parallel_degree=2"],
     "pp2_tp2_megatron_sp": [f"{PP}=2", "--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"],
@@ -140,7 +145,8 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], nam
 def test_pipeline_parameters_equal_single_process_pp2(reference, world2):
     """Catches: a schedule that skips, repeats or misorders a micro-batch's forward or backward;
     activations or gradients sent to the wrong stage; a gradient norm not summed over pipeline
-    ranks; a time-balanced split that differs between ranks."""
+    ranks; a time-balanced split that differs between ranks; a ZB-H1 W that drops, doubles or
+    never runs a micro-batch's weight gradient, or a B that sends a wrong input gradient."""
     for name, extra in WORLD2.items():
         if name != "dp2":
             assert_same(check_result(world2, name), check_result(reference, reference_case(extra)), name)
@@ -149,7 +155,8 @@ def test_pipeline_parameters_equal_single_process_pp2(reference, world2):
 def test_pipeline_parameters_equal_single_process_pp4_and_pp2_dp2(reference, world2):
     """Catches, besides the pp = 2 bugs: a hang or wrong result with fewer micro-batches than
     stages; with pp × dp, gradients reduced before a stage's last backward, twice, or not at all
-    (ZeRO 0-3; stage 3 also re-gathering stale parameters prefetched in the previous step)."""
+    (ZeRO 0-3; stage 3 also re-gathering stale parameters prefetched in the previous step; with
+    ZB-H1, a reduction started at a B, which accumulates no gradient, instead of the last W)."""
     got = spawn(run_cases, 4, WORLD4, timeout_s=600)
     for name, extra in WORLD4.items():
         want = check_result(world2, "dp2") if "dp2" in name else check_result(reference, reference_case(extra))

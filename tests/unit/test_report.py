@@ -62,6 +62,15 @@ def interleaved() -> dict:
     return _timeline("interleaved_1f1b", 2, 2, 4, [_step(3, per_rank, 0.15, 1 / 9)])
 
 
+def zero_bubble() -> dict:
+    """pp=2, m=2 under zb_h1: backwards split into input-gradient B and weight-gradient W."""
+    per_rank = {
+        0: [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("W", 0, 0), ("B", 0, 1), ("W", 0, 1)],
+        1: [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("W", 1, 0), ("W", 1, 1)],
+    }
+    return _timeline("zb_h1", 2, 1, 2, [_step(1, per_rank, 0.1, 1 / 7)])
+
+
 def _actions(timeline: dict, index: int = -1) -> list[tuple[int, dict]]:
     return [(r["pp_rank"], e) for r in timeline["steps"][index]["ranks"] for e in r["events"]]
 
@@ -136,9 +145,13 @@ def test_load_timeline_explains_missing_and_foreign_files(tmp_path):
     assert load_timeline(_write(tmp_path, one_f_one_b())) == one_f_one_b()
 
 
-@pytest.mark.parametrize("timeline", [one_f_one_b(), interleaved()], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize(
+    "timeline", [one_f_one_b(), interleaved(), zero_bubble()], ids=["1f1b", "interleaved", "zb_h1"]
+)
 def test_write_report_writes_png_and_trace_json(tmp_path, timeline):
-    """Catches an empty or non-PNG chart (e.g. saved before drawing, wrong format) and a trace that is not JSON."""
+    """Catches an empty or non-PNG chart (e.g. saved before drawing, wrong format), a trace that is
+    not JSON, and a zero-bubble timeline's weight-gradient actions (``W``) that the chart or the
+    trace has no category for (a KeyError)."""
     paths = write_report(_write(tmp_path / "run", timeline))
     assert paths == {"trace": tmp_path / "run" / "trace.json", "gantt": tmp_path / "run" / "timeline.png"}
     png = paths["gantt"].read_bytes()

@@ -11,6 +11,11 @@ the loss from the last stage), giving the measured bubble: idle time over step t
 Gradient synchronisation over data-parallel ranks happens once per step: every backward but
 the last one of each stage runs under ``sync.no_sync()``, and the last one of each stage lets
 the synchronizer's hooks reduce that stage's gradients (overlapping the remaining backwards).
+
+Zero-bubble schedules (``zb_h1``) split each backward (see ``split_backward``): ``B`` computes the
+input gradient only and sends it upstream at once; ``W`` later accumulates the parameters'
+gradients and releases the micro-batch's graph. There the ``W`` actions are the backwards that
+accumulate, so the no-sync rule applies to them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 
 from loomtrain.distributed.pipeline.p2p import PipelineComm
 from loomtrain.distributed.pipeline.schedule import (
+    SPLIT_BACKWARD,
     Action,
     bubble_fraction,
     build_schedule,
@@ -32,6 +38,7 @@ from loomtrain.distributed.pipeline.schedule import (
     stage_rank,
     theoretical_bubble,
 )
+from loomtrain.distributed.pipeline.split_backward import WeightGrad, backward_input
 from loomtrain.hardware import synchronize
 
 TIMELINE_FORMAT = "loomtrain-timeline-1"
@@ -58,6 +65,7 @@ class StepRecord:
 class _Pending:
     recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    weights: dict[tuple[int, int], WeightGrad] = field(default_factory=dict)
     posted: int = 0
 
 
@@ -68,7 +76,7 @@ class PipelineExecutor:
         model: the rank's part of the model (see ``models.parallelize.prune_to_rank``), called as
             ``model(x, start_pos, layers=keys)`` per stage.
         stage_layers: ``{stage: [layer keys]}`` for this rank's stages.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         n_micro: micro-batches per training step; ``pp``, ``v``: pipeline degree and virtual stages.
         comm: the rank's :class:`PipelineComm`.
 
@@ -83,7 +91,9 @@ class PipelineExecutor:
         self.n_stages = pp * v
         self.all_actions = build_schedule(schedule, pp, n_micro, v)
         self.actions = self.all_actions[comm.pp_rank]
-        self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == "B"}
+        self.split = schedule in SPLIT_BACKWARD
+        accumulating = "W" if self.split else "B"  # the actions that write parameter gradients
+        self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == accumulating}
         self.last_record: StepRecord | None = None
 
     def _source(self, a: Action) -> tuple[str, int] | None:
@@ -148,6 +158,8 @@ class PipelineExecutor:
                 start, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=True)
                 if loss is not None:
                     loss_sum += loss.detach().double().cpu()
+            elif a.kind == "B" and self.split:
+                start = self._backward_input(a, state, scale / self.n_micro)
             else:
                 quiet = sync is not None and self.last_backward[a.stage] != i
                 with sync.no_sync() if quiet else contextlib.nullcontext():
@@ -190,6 +202,10 @@ class PipelineExecutor:
         return start, loss
 
     def _backward(self, a: Action, state: _Pending, loss_factor: float) -> float:
+        if a.kind == "W":
+            start = self._now()
+            state.weights.pop((a.stage, a.micro_batch)).run()
+            return start
         x, out = state.saved.pop((a.stage, a.micro_batch))
         grad = None if a.stage == self.n_stages - 1 else self._received(a, state)
         start = self._now()
@@ -199,6 +215,17 @@ class PipelineExecutor:
             torch.autograd.backward(out, grad)
         if a.stage > 0:
             self.comm.send(x.grad, stage_rank(a.stage - 1, self.pp), "gradient")
+        return start
+
+    def _backward_input(self, a: Action, state: _Pending, loss_factor: float) -> float:
+        """A split schedule's ``B``: the input gradient only, sent at once; the weight gradient waits for ``W``."""
+        x, out = state.saved.pop((a.stage, a.micro_batch))
+        last = a.stage == self.n_stages - 1
+        grad = None if last else self._received(a, state)
+        start = self._now()
+        dx, state.weights[(a.stage, a.micro_batch)] = backward_input(out * loss_factor if last else out, x, grad)
+        if a.stage > 0:
+            self.comm.send(dx, stage_rank(a.stage - 1, self.pp), "gradient")
         return start
 
     def timeline(self, step: int) -> dict:

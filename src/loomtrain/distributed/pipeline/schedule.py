@@ -25,6 +25,12 @@ Schedules:
   micro-batches are in flight on a rank instead of GPipe's ``m``.
 - ``interleaved_1f1b``: Narayanan et al. SC 2021 §2.2.2: 1F1B over ``v`` chunks per rank, which
   divides the pipeline bubble by ``v`` at the price of ``v`` times more messages.
+- ``zb_h1``: ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024, §2.1, Fig. 3 top).
+  The backward splits into ``B`` (gradient of the stage input only, sent upstream at once) and ``W``
+  (gradients of the stage's parameters, an action ``W`` of its own that needs only its ``B`` on the
+  same rank and sends nothing). 1F1B's order of ``F`` and ``B``, with rank ``r``'s ``W`` deferred by
+  ``r`` micro-batches into the cooldown, where 1F1B idles. Counting a micro-batch in flight from its
+  ``F`` to its ``W``, every rank holds at most ``pp``: 1F1B's peak (its first rank's).
 
 :func:`check_schedule` proves a schedule complete, causal, deadlock-free and FIFO-consistent before
 anything runs; :func:`simulate` replays it with fixed compute times and zero communication time.
@@ -35,7 +41,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+# The schedules whose backward is split into B (input gradient) and W (weight gradient) actions.
+SPLIT_BACKWARD = ("zb_h1",)
 
 # How many actions an error message lists before it says "...".
 _SHOWN = 6
@@ -48,8 +57,9 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of pipeline work: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of micro-batch
-    ``micro_batch`` on stage ``stage``."""
+    """One unit of pipeline work: ``kind`` ``"F"`` (forward), ``"B"`` (backward: the whole backward, or
+    in :data:`SPLIT_BACKWARD` schedules the input gradient only) or ``"W"`` (the weight gradient of a
+    split backward) of micro-batch ``micro_batch`` on stage ``stage``."""
 
     kind: str
     stage: int
@@ -75,7 +85,8 @@ def build_schedule(name: str, pp: int, n_micro: int, v: int = 1) -> list[list[Ac
 
     Args:
         name: ``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2019, SC 2021
-            §2.2.1) or ``interleaved_1f1b`` (Narayanan et al. SC 2021 §2.2.2).
+            §2.2.1), ``interleaved_1f1b`` (Narayanan et al. SC 2021 §2.2.2) or ``zb_h1`` (Qi et al.
+            ICLR 2024 §2.1).
         pp: pipeline ranks. n_micro: micro-batches per step. v: virtual stages (chunks) per rank.
 
     Returns:
@@ -84,10 +95,10 @@ def build_schedule(name: str, pp: int, n_micro: int, v: int = 1) -> list[list[Ac
     Raises:
         ScheduleError: unknown name; ``pp`` or ``n_micro`` below 1; ``v != 1`` without the
             interleaved schedule; the interleaved schedule with ``v < 2`` or ``n_micro`` not a
-            multiple of ``pp``. The message names the config field to change.
+            multiple of ``pp``; ``zb_h1`` with ``n_micro < pp``. The message names the config field to change.
     """
     _validate(name, pp, n_micro, v)
-    build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved}[name]
+    build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zb_h1": _zb_h1}[name]
     schedule = [build(rank, pp, n_micro, v) for rank in range(pp)]
     check_schedule(schedule, pp, n_micro, v)
     return schedule
@@ -114,18 +125,20 @@ def check_schedule(schedule: list[list[Action]], pp: int, n_micro: int, v: int =
     """Prove that ``schedule`` runs under the model of execution in the module docstring.
 
     Args:
-        schedule: ``pp`` action lists, one per rank. forward_only: expect only ``F`` actions.
+        schedule: ``pp`` action lists, one per rank. forward_only: expect only ``F`` actions. A
+            schedule holding any ``W`` is a split backward: it must hold every ``W``.
 
     Raises:
         ScheduleError: a rank holds an action of a stage it does not own; an action is missing,
-            duplicated or unexpected; a ``B`` precedes its ``F`` on its rank; a channel's send order
-            differs from its receive order; or the blocking-receive replay deadlocks (the message
-            says which rank waits at which action for what).
+            duplicated or unexpected; a ``B`` precedes its ``F`` or a ``W`` its ``B`` on its rank; a
+            channel's send order differs from its receive order; or the blocking-receive replay
+            deadlocks (the message says which rank waits at which action for what).
     """
     if len(schedule) != pp:
         raise ScheduleError(f"the schedule has {len(schedule)} rank lists for parallel.pipeline_parallel_degree={pp}")
     _check_placement(schedule, pp, v)
-    _check_complete(schedule, pp, n_micro, v, forward_only)
+    kinds = ("F",) if forward_only else ("F", "B", "W") if is_split(schedule) else ("F", "B")
+    _check_complete(schedule, pp, n_micro, v, kinds)
     _check_forward_before_backward(schedule)
     _check_channels(schedule, pp, v)
     simulate(schedule, pp, v)
@@ -138,14 +151,17 @@ def simulate(
     forward_time: float = 1.0,
     backward_time: float = 2.0,
     stage_times: dict[tuple[str, int], float] | None = None,
+    weight_time: float | None = None,
 ) -> list[list[tuple[Action, float, float]]]:
     """Replay ``schedule`` event by event: blocking receives, non-blocking sends, zero communication time.
 
     A rank's ``v`` chunks together are one model part, so every chunk's ``F`` takes ``forward_time / v``
     and its ``B`` ``backward_time / v`` (any time unit), unless ``stage_times`` gives the duration of
-    ``(kind, stage)`` (e.g. measured means, for the ideal bubble of unequal stages). An action starts
-    once its rank is free and its inputs are done: ``F(s - 1, mb)`` for ``F(s, mb)``; ``F(s, mb)`` and,
-    below the last stage, ``B(s + 1, mb)`` for ``B(s, mb)``.
+    ``(kind, stage)`` (e.g. measured means, for the ideal bubble of unequal stages). ``backward_time``
+    is the whole backward; in a split schedule (holding ``W`` actions) ``W`` takes ``weight_time / v``
+    (default: half the backward) and ``B`` the rest. An action starts once its rank is free and its
+    inputs are done: ``F(s - 1, mb)`` for ``F(s, mb)``; ``F(s, mb)`` and, below the last stage,
+    ``B(s + 1, mb)`` for ``B(s, mb)``; ``B(s, mb)`` for ``W(s, mb)``.
 
     Returns:
         Per rank, ``(action, start, end)`` in execution order.
@@ -154,8 +170,8 @@ def simulate(
         ScheduleError: the schedule deadlocks (which rank waits at which action for what).
     """
     n_stages = pp * v
-    duration = {(kind, stage): base / v for kind, base in (("F", forward_time), ("B", backward_time))
-                for stage in range(n_stages)}  # fmt: skip
+    kinds = _kind_times(schedule, forward_time, backward_time, weight_time)
+    duration = {(kind, stage): base / v for kind, base in kinds for stage in range(n_stages)}
     duration.update(stage_times or {})
     finished: dict[Action, float] = {}
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
@@ -173,6 +189,20 @@ def simulate(
     if waits:
         raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
     return timeline
+
+
+def _kind_times(schedule: list[list[Action]], forward_time: float, backward_time: float,
+                weight_time: float | None) -> list[tuple[str, float]]:  # fmt: skip
+    """Per action kind, its time for the whole rank (all chunks)."""
+    if not is_split(schedule):
+        return [("F", forward_time), ("B", backward_time)]
+    weight = backward_time / 2 if weight_time is None else weight_time
+    return [("F", forward_time), ("B", backward_time - weight), ("W", weight)]
+
+
+def is_split(schedule: list[list[Action]]) -> bool:
+    """Whether ``schedule`` splits backwards into ``B`` (input gradient) and ``W`` (weight gradient) actions."""
+    return any(action.kind == "W" for actions in schedule for action in actions)
 
 
 def bubble_fraction(busy: list[list[tuple[float, float]]]) -> float:
@@ -198,30 +228,44 @@ def bubble_fraction(busy: list[list[tuple[float, float]]]) -> float:
     return sum((window - _covered(rank)) / window for rank in busy) / len(busy)
 
 
-def theoretical_bubble(name: str, pp: int, n_micro: int, v: int = 1) -> float:
+def theoretical_bubble(name: str, pp: int, n_micro: int, v: int = 1, forward_time: float = 1.0,
+                       backward_time: float = 2.0, weight_time: float | None = None) -> float:  # fmt: skip
     """The bubble fraction of schedule ``name`` with zero communication time.
 
     ``gpipe`` and ``1f1b``: ``(p - 1) / (m + p - 1)``: each rank idles ``(p - 1)(t_f + t_b)`` in a step
     of ``(m + p - 1)(t_f + t_b)`` (Huang et al. 2019; Narayanan et al. SC 2021 §2.2.1).
     ``interleaved_1f1b``: ``(p - 1) / (v m + p - 1)``: the idle time shrinks to ``(p - 1)(t_f + t_b) / v``
     (Narayanan et al. SC 2021 §2.2.2, where the bubble is divided by ``v``).
+    ``zb_h1``: each rank idles ``I = (p - 1)(T_F + T_B - T_W)`` (Qi et al. ICLR 2024 §2.1, Fig. 3) in a
+    step of ``m (T_F + T_B + T_W) + I``, with ``T_F = forward_time``, ``T_W = weight_time`` (default:
+    half the backward) and ``T_B = backward_time - T_W``; with equal times, ``(p - 1) / (3 m + p - 1)``.
+    The paper derives it for equal times; when ``T_W > min(T_F, T_B)`` a ``W`` cannot fill a whole gap
+    and :func:`simulate` replays ``I = (p - 1) max(T_F + T_B - T_W, T_F, T_B)``, the value used then.
+    The times matter only to ``zb_h1``.
 
     Raises:
         ScheduleError: the same configurations :func:`build_schedule` refuses.
     """
     _validate(name, pp, n_micro, v)
-    return (pp - 1) / (v * n_micro + pp - 1)
+    if name not in SPLIT_BACKWARD:
+        return (pp - 1) / (v * n_micro + pp - 1)
+    t_w = backward_time / 2 if weight_time is None else weight_time
+    t_b = backward_time - t_w
+    idle = (pp - 1) * max(forward_time + t_b - t_w, forward_time, t_b)
+    return idle / (n_micro * (forward_time + backward_time) + idle)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches one rank holds activations for: ``F`` run and ``B`` not yet, counted per
-    ``(stage, micro_batch)``. 1F1B keeps it at most ``pp``; GPipe reaches ``m``."""
+    """The most micro-batches one rank holds activations for: ``F`` run and its last backward action
+    (``B``, or ``W`` in a split schedule, which frees the saved graph) not yet, counted per
+    ``(stage, micro_batch)``. 1F1B and ZB-H1 keep it at most ``pp``; GPipe reaches ``m``."""
+    release = "W" if is_split([actions]) else "B"
     in_flight: set[tuple[int, int]] = set()
     peak = 0
     for action in actions:
         if action.kind == "F":
             in_flight.add((action.stage, action.micro_batch))
-        else:
+        elif action.kind == release:
             in_flight.discard((action.stage, action.micro_batch))
         peak = max(peak, len(in_flight))
     return peak
@@ -262,6 +306,11 @@ def _validate(name: str, pp: int, n_micro: int, v: int) -> None:
             f"parallel.pipeline_schedule='interleaved_1f1b' needs parallel.virtual_stages >= 2 (got {v}); "
             "use '1f1b' for one stage per rank"
         )
+    if name == "zb_h1" and n_micro < pp:
+        raise ScheduleError(
+            f"parallel.pipeline_schedule='zb_h1' needs at least parallel.pipeline_parallel_degree={pp} micro-batches "
+            f"per step (got {n_micro}); raise training.global_batch_size or lower training.micro_batch_size"
+        )
     if name == "interleaved_1f1b" and n_micro % pp:
         raise ScheduleError(
             f"interleaved_1f1b needs the micro-batches per step ({n_micro}) to be a multiple of "
@@ -279,6 +328,20 @@ def _one_f_one_b(rank: int, pp: int, n_micro: int, v: int) -> list[Action]:
     forwards = [Action("F", rank, mb) for mb in range(n_micro)]
     backwards = [Action("B", rank, mb) for mb in range(n_micro)]
     return _warmup_steady_cooldown(forwards, backwards, min(pp - rank - 1, n_micro))
+
+
+def _zb_h1(rank: int, pp: int, n_micro: int, v: int) -> list[Action]:
+    # Qi et al. ICLR 2024 §2.1: 1F1B's F and B order; rank r runs W(k - r) after B(k), so every rank
+    # holds pp micro-batches from F to W (rank 0's 1F1B peak), and the r deferred W fill the cooldown.
+    warmup = pp - rank - 1
+    actions = [Action("F", rank, mb) for mb in range(warmup)]
+    for k in range(n_micro):
+        if warmup + k < n_micro:
+            actions.append(Action("F", rank, warmup + k))
+        actions.append(Action("B", rank, k))
+        if k >= rank:
+            actions.append(Action("W", rank, k - rank))
+    return actions + [Action("W", rank, mb) for mb in range(n_micro - rank, n_micro)]
 
 
 def _interleaved(rank: int, pp: int, n_micro: int, v: int) -> list[Action]:
@@ -331,18 +394,25 @@ def _run_ready(
 
 
 def _inputs(action: Action, n_stages: int) -> list[Action]:
-    """The actions whose results ``action`` consumes: its neighbour's message and, for a backward, its own forward."""
+    """The actions whose results ``action`` consumes: its neighbour's message and, for a backward, its
+    own forward (for a weight gradient, its own input gradient)."""
     producer = _producer(action, n_stages)
-    inputs = [] if producer is None else [producer]
-    if action.kind == "B":
-        inputs.append(Action("F", action.stage, action.micro_batch))
-    return inputs
+    local = _same_rank_input(action)
+    return [dep for dep in (producer, local) if dep is not None]
+
+
+def _same_rank_input(action: Action) -> Action | None:
+    """The action on the same stage that must run before ``action``: ``F`` before ``B``, ``B`` before ``W``."""
+    before = {"B": "F", "W": "B"}.get(action.kind)
+    return None if before is None else Action(before, action.stage, action.micro_batch)
 
 
 def _producer(action: Action, n_stages: int) -> Action | None:
     """The action on the neighbouring stage whose result ``action`` receives, if any."""
     if action.kind == "F":
         return Action("F", action.stage - 1, action.micro_batch) if action.stage > 0 else None
+    if action.kind == "W":
+        return None
     return Action("B", action.stage + 1, action.micro_batch) if action.stage < n_stages - 1 else None
 
 
@@ -380,14 +450,13 @@ def _check_placement(schedule: list[list[Action]], pp: int, v: int) -> None:
     for rank, actions in enumerate(schedule):
         owned = rank_stages(rank, pp, v)
         for action in actions:
-            if action.kind not in ("F", "B"):
-                raise ScheduleError(f"rank {rank} holds {action} of unknown kind {action.kind!r}; use 'F' or 'B'")
+            if action.kind not in ("F", "B", "W"):
+                raise ScheduleError(f"rank {rank} holds {action} of unknown kind {action.kind!r}; use 'F', 'B' or 'W'")
             if action.stage not in owned:
                 raise ScheduleError(f"rank {rank} holds {action} but owns only stages {owned}")
 
 
-def _check_complete(schedule: list[list[Action]], pp: int, n_micro: int, v: int, forward_only: bool) -> None:
-    kinds = ("F",) if forward_only else ("F", "B")
+def _check_complete(schedule: list[list[Action]], pp: int, n_micro: int, v: int, kinds: tuple[str, ...]) -> None:
     expected = {Action(kind, stage, mb) for kind in kinds for stage in range(pp * v) for mb in range(n_micro)}
     counts = Counter(action for actions in schedule for action in actions)
     problems = {
@@ -408,9 +477,9 @@ def _check_forward_before_backward(schedule: list[list[Action]]) -> None:
     for rank, actions in enumerate(schedule):
         seen: set[Action] = set()
         for action in actions:
-            forward = Action("F", action.stage, action.micro_batch)
-            if action.kind == "B" and forward not in seen:
-                raise ScheduleError(f"rank {rank} runs {action} before {forward}")
+            needed = _same_rank_input(action)
+            if needed is not None and needed not in seen:
+                raise ScheduleError(f"rank {rank} runs {action} before {needed}")
             seen.add(action)
 
 
@@ -447,4 +516,6 @@ def _consumer(action: Action, n_stages: int) -> Action | None:
     """The action on the neighbouring stage that receives the result of ``action``, if any."""
     if action.kind == "F":
         return Action("F", action.stage + 1, action.micro_batch) if action.stage < n_stages - 1 else None
+    if action.kind == "W":
+        return None
     return Action("B", action.stage - 1, action.micro_batch) if action.stage > 0 else None

@@ -1,0 +1,287 @@
+"""Local SGD and DiLoCo (``distributed/local_sgd.py``) on a real 2-process gloo group, and
+their config checks in-process.
+
+Tolerance: 1e-6 relative (fp32). With SGD + momentum as the inner optimizer and no clipping,
+every inner update is linear in the gradient, so local SGD with H = 1 applies the same update
+as synchronous DP and differs from it only in the order of float sums (~1e-7 over a few steps).
+A wrong average, a delta of the wrong sign, a skipped or extra outer step moves the parameters
+by ~1e-2. AdamW inner steps are compared only between modes that share them exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loomtrain.config import ConfigError, ModelConfig, load_config
+from loomtrain.distributed.data_parallel import apply_data_parallel
+from loomtrain.distributed.local_sgd import LocalOnlyHook, OuterSync, check_identical, flatten, write_flat
+from loomtrain.distributed.traffic import GRADIENT_AXIS, all_reduce_bytes
+from loomtrain.models import Transformer
+from tests.distributed.checks import check_result, run_checks, spawn_once
+
+CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
+STEPS, RTOL = 7, 1e-6
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch of step ``step``: 2 sequences of 8 tokens, different per rank."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_model(optimizer: str, hook=None):
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    sync = apply_data_parallel(model, dist.group.WORLD, hook=hook)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, sync, opt
+
+
+def inner_step(model, sync, opt, step: int) -> float:
+    """One optimizer step on this rank's batch; returns the loss averaged over ranks."""
+    x, y = batch(dist.get_rank(), step)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    sync.finish_gradient_sync()
+    opt.step()
+    sync.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def train_sync(optimizer: str) -> tuple[list[float], torch.Tensor]:
+    model, sync, opt = make_model(optimizer)
+    losses = [inner_step(model, sync, opt, s) for s in range(STEPS)]
+    return losses, flatten(list(model.parameters()))
+
+
+def train_local(optimizer: str, mode: str, h: int, lr: float = 0.7, momentum: float = 0.9, start=None):
+    """``STEPS`` steps of local SGD/DiLoCo; ``start``: ``(step, state)`` to resume from. Returns the
+    losses, the final parameters, the replicas' largest parameter difference right after each
+    outer step and right before it, the dp bytes sent before each outer step, the outer sync."""
+    model, sync, opt = make_model(optimizer, LocalOnlyHook())
+    params = list(model.parameters())
+    outer = OuterSync(params, opt, dist.group.WORLD, mode, h, lr, momentum, hook=sync.hook)
+    first = 0
+    if start is not None:
+        first, state = start
+        outer.load_state_dict(state)
+    losses, after, before, sent = [], [], [], []
+    for s in range(first, STEPS):
+        losses.append(inner_step(model, sync, opt, s))
+        spread, sent_so_far = gathered_spread(params), sync.hook.traffic.bytes[GRADIENT_AXIS]
+        if outer.after_inner_step(force=s == STEPS - 1):
+            before.append(spread)
+            after.append(gathered_spread(params))
+            sent.append(sent_so_far)
+    return losses, flatten(params), after, before, sent, outer
+
+
+def gathered_spread(params) -> float:
+    """Largest difference between the two ranks' parameters (a collective)."""
+    flat = flatten(params)
+    both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(both, flat)
+    return (both[0] - both[1]).abs().max().item()
+
+
+def h1_equals_sync():
+    sync_losses, sync_params = train_sync("sgd")
+    local_losses, local_params, *_ = train_local("sgd", "local_sgd", 1)
+    return sync_losses, sync_params, local_losses, local_params
+
+
+def diloco_lr1_equals_local_sgd():
+    local_losses, local_params, *_ = train_local("adamw", "local_sgd", 3)
+    diloco_losses, diloco_params, *_ = train_local("adamw", "diloco", 3, lr=1.0, momentum=0.0)
+    return local_losses, local_params, diloco_losses, diloco_params
+
+
+def replicas_after_outer_steps():
+    _, _, after, before, sent, outer = train_local("adamw", "diloco", 3)
+    return (
+        after,
+        before,
+        sent,
+        outer.hook.bytes_sent,
+        outer.hook.dense_bytes,
+        outer.outer_steps,
+        outer.global_flat.numel(),
+    )
+
+
+def nesterov_outer_step():
+    """Two outer steps from hand-set replicas θ_g − d_r against the formula of DiLoCo's outer
+    Nesterov SGD on Δ = mean_r d_r: ``b ← μ·b + Δ; θ ← θ − lr·(Δ + μ·b)``."""
+    model, _, opt = make_model("adamw", LocalOnlyHook())
+    params = list(model.parameters())
+    outer = OuterSync(params, opt, dist.group.WORLD, "diloco", 1, 0.7, 0.9)
+    theta, buf, rank = flatten(params), None, dist.get_rank()
+    for k in range(2):
+        d = torch.linspace(-1, 1, theta.numel()) * (rank + 1) * (k + 1) * 1e-2
+        write_flat(theta - d, params)
+        outer.outer_step()
+        delta = torch.linspace(-1, 1, theta.numel()) * 1.5 * (k + 1) * 1e-2  # mean over ranks of (r + 1)
+        buf = delta if buf is None else 0.9 * buf + delta
+        theta = theta - 0.7 * (delta + 0.9 * buf)
+    return flatten(params), theta
+
+
+def swapped_elements_refused_in_chunks():
+    """Two elements swapped on rank 1 (same plain sum), fingerprinted 7 elements at a time."""
+    flat = torch.arange(20, dtype=torch.float32)
+    check_identical(flat, dist.group.WORLD, "the same tensor", chunk=7)
+    if dist.get_rank() == 1:
+        flat[[2, 15]] = flat[[15, 2]]
+    try:
+        check_identical(flat, dist.group.WORLD, "a permuted tensor", chunk=7)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def different_init_refused():
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.norm.weight[3] += 1e-3
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        OuterSync(list(model.parameters()), opt, dist.group.WORLD, "local_sgd", 2)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def resume_mid_phase():
+    """The run stopped after 4 steps (1 step into its second inner phase of 3) and resumed
+    into a fresh model, optimizer and outer sync, against the uninterrupted run."""
+    whole_losses, whole_params, *_ = train_local("adamw", "diloco", 3)
+    model, sync, opt = make_model("adamw", LocalOnlyHook())
+    outer = OuterSync(list(model.parameters()), opt, dist.group.WORLD, "diloco", 3)
+    for s in range(4):
+        inner_step(model, sync, opt, s)
+        outer.after_inner_step()
+    state = copy.deepcopy(outer.state_dict())
+    resumed_losses, resumed_params, *_ = train_local("adamw", "diloco", 3, start=(4, state))
+    return whole_losses[4:], whole_params, resumed_losses, resumed_params, state["inner_done"]
+
+
+def all_checks() -> dict:
+    return run_checks({
+        "h1_equals_sync": h1_equals_sync,
+        "diloco_lr1_equals_local_sgd": diloco_lr1_equals_local_sgd,
+        "replicas_after_outer_steps": replicas_after_outer_steps,
+        "nesterov_outer_step": nesterov_outer_step,
+        "different_init_refused": different_init_refused,
+        "swapped_elements_refused_in_chunks": swapped_elements_refused_in_chunks,
+        "resume_mid_phase": resume_mid_phase,
+    })  # fmt: skip
+
+
+def results():
+    return spawn_once(all_checks, 2, timeout_s=120)
+
+
+def assert_rel(got: torch.Tensor, want: torch.Tensor) -> None:
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= RTOL, f"relative difference {rel:.2e} > {RTOL}"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_local_sgd_h1_equals_sync_dp(rank):
+    """Catches: inner steps that still all-reduce gradients or outer steps that average
+    wrongly (a sum instead of a mean, a stale θ_global, the delta's sign flipped): with SGD +
+    momentum, local SGD at H = 1 must reproduce synchronous DP's losses and parameters."""
+    sync_losses, sync_params, local_losses, local_params = check_result(results(), "h1_equals_sync", rank)
+    assert_rel(torch.tensor(local_losses), torch.tensor(sync_losses))
+    assert_rel(local_params, sync_params)
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_equals_local_sgd():
+    """Catches: a DiLoCo outer step in the wrong direction (torchtitan #1507), on the wrong
+    delta, or with hidden momentum: with outer lr 1 and momentum 0 it must be local SGD."""
+    local_losses, local_params, diloco_losses, diloco_params = check_result(results(), "diloco_lr1_equals_local_sgd")
+    assert_rel(torch.tensor(diloco_losses), torch.tensor(local_losses))
+    assert_rel(diloco_params, local_params)
+
+
+def test_replicas_identical_after_each_outer_step_and_only_outer_steps_communicate():
+    """Catches: a replica that does not take θ_global after an outer step, inner steps that
+    all-reduce (the replicas would never differ before an outer step), an outer step skipped
+    or the final one not forced (7 steps at H = 3: outer steps after steps 3, 6 and 7), and a
+    byte count that is not one fp32 all-reduce of the parameters per outer step."""
+    after, before, sent, total, dense, outer_steps, numel = check_result(results(), "replicas_after_outer_steps")
+    assert outer_steps == 3
+    assert after == [0.0] * 3
+    assert all(spread > 0 for spread in before)
+    one = all_reduce_bytes(4 * numel, 2)
+    assert sent == [0, one, 2 * one] and total == dense == 3 * one
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_delta():
+    """Catches: momentum applied without Nesterov's look-ahead, a buffer not kept between outer
+    steps, the outer gradient taken as mean θ_local − θ_global (stepping away from the replicas)."""
+    got, want = check_result(results(), "nesterov_outer_step")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_replicas_started_with_different_weights_are_refused():
+    """Catches: replicas initialised differently (one element off, or two elements swapped
+    across fingerprint chunks) training on silently: their average would not be a model any of
+    them trained."""
+    for rank in (0, 1):
+        message = check_result(results(), "different_init_refused", rank)
+        assert message is not None and "differs across the dp replicas" in message
+        message = check_result(results(), "swapped_elements_refused_in_chunks", rank)
+        assert message is not None and "a permuted tensor differs" in message
+
+
+def test_resume_inside_an_inner_phase_continues_the_run_exactly():
+    """Catches: θ_global, the outer momentum, the inner step counter, θ_local or the inner
+    optimizer's moments missing from the outer sync's state: the resumed steps' losses and the
+    final parameters would differ from the uninterrupted run's."""
+    whole_losses, whole_params, resumed_losses, resumed_params, inner_done = check_result(results(), "resume_mid_phase")
+    assert inner_done == 1
+    assert resumed_losses == whole_losses
+    assert torch.equal(resumed_params, whole_params)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["--data_parallel.zero_stage=1"], "data_parallel.zero_stage=1"),
+        (["--parallel.tensor_parallel_degree=2"], "parallel.tensor_parallel_degree=2"),
+        (["--parallel.pipeline_parallel_degree=2"], "parallel.pipeline_parallel_degree=2"),
+        (["--parallel.sequence_parallel_degree=2"], "parallel.sequence_parallel_degree=2"),
+        (["--compression.method=int8"], "compression.method='int8'"),
+        (["--balance.data=true"], "balance.data=True"),
+    ],
+)
+def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
+    """Catches: a local mode accepted with ZeRO, tp, pp, sp, compression or data balancing,
+    which would run with a gradient synchronizer or replica layout the outer sync ignores."""
+    with pytest.raises(ConfigError, match=f"data_parallel.mode='local_sgd' with {field}"):
+        load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
+
+
+def test_mode_defaults_and_misplaced_settings():
+    """Catches: H defaults that are not the documented ones, and outer settings or H given to a
+    mode that ignores them without a word."""
+    assert load_config(None, ["--data_parallel.mode=diloco"]).data_parallel.resolved_inner_steps == 500
+    assert load_config(None, ["--data_parallel.mode=local_sgd"]).data_parallel.resolved_inner_steps == 8
+    with pytest.raises(ConfigError, match="data_parallel.outer_lr only applies to data_parallel.mode='diloco'"):
+        load_config(None, ["--data_parallel.mode=local_sgd", "--data_parallel.outer_lr=1"])
+    with pytest.raises(ConfigError, match="data_parallel.inner_steps only applies"):
+        load_config(None, ["--data_parallel.inner_steps=4"])

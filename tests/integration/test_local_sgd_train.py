@@ -1,0 +1,71 @@
+"""DiLoCo through the whole training loop on 2 gloo processes: a resume inside an inner phase
+continues the run exactly, the run ends on one model, only outer steps send bytes.
+
+8 steps with H = 3: outer steps after steps 3, 6 and (forced, the last) 8; the checkpoint of
+step 4 lies one step into the second inner phase.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from loomtrain.distributed.spawn import spawn
+from loomtrain.distributed.traffic import all_reduce_bytes
+from tests.integration.test_train import TINY, losses, run_train
+
+DILOCO = ["--training.steps=8", "--checkpoint.interval=4", "--checkpoint.keep_last=3",
+          "--data_parallel.mode=diloco", "--data_parallel.inner_steps=3"]  # fmt: skip
+
+
+def train(out: Path, name: str, *extra: str) -> Path:
+    spawn(run_train, 2, [*TINY, *DILOCO, f"--run.out_dir={out}", f"--run.name={name}", *extra], timeout_s=240)
+    return out / name
+
+
+def final_params(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    target = tmp / f"{run.name}.pt"
+    dcp_to_torch_save(run / "checkpoints" / "step_00000008", target)
+    return torch.load(target, weights_only=False)["model"]
+
+
+def outer_states(checkpoint: Path) -> list[dict]:
+    """Each rank's saved outer-sync state (``OuterSync.state_dict``) in ``checkpoint``."""
+    files = sorted(checkpoint.glob("rank_*.pt"))
+    return [torch.load(f, weights_only=False)["rank_state"]["outer_sync"] for f in files]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    return train(tmp_path_factory.mktemp("diloco"), "whole")
+
+
+def test_resume_inside_an_inner_phase_reproduces_the_run(whole, tmp_path):
+    """Catches: the outer state (θ_global, outer momentum, inner step counter) or a replica's
+    θ_local and AdamW moments lost across a restart (DCP keeps one copy of replicated tensors),
+    which changes the losses after the resume and the final model."""
+    resumed = train(tmp_path, "resumed", f"--checkpoint.resume={whole / 'checkpoints' / 'step_00000004'}")
+    assert {k: v for k, v in losses(whole).items() if k > 4} == losses(resumed)
+    want, got = final_params(whole, tmp_path), final_params(resumed, tmp_path)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_run_ends_on_one_model_and_only_outer_steps_send_bytes(whole):
+    """Catches: no outer step forced after the last step (the replicas' saved θ_local would
+    differ), θ_local not saved per replica inside a phase, inner steps that all-reduce, and a
+    byte count other than one fp32 all-reduce of the parameters per outer step."""
+    mid, last = (
+        outer_states(whole / "checkpoints" / "step_00000004"),
+        outer_states(whole / "checkpoints" / "step_00000008"),
+    )
+    assert [s["inner_done"] for s in mid] == [1, 1] and [s["inner_done"] for s in last] == [0, 0]
+    assert not torch.equal(mid[0]["local"], mid[1]["local"])
+    assert torch.equal(last[0]["local"], last[1]["local"]) and torch.equal(last[0]["local"], last[0]["global"])
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["outer_steps"] == 3
+    assert summary["comm_bytes_per_step"] == 3 * all_reduce_bytes(4 * summary["n_params"], 2) / 8
