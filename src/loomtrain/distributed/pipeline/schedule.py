@@ -196,8 +196,15 @@ def _kind_times(schedule: list[list[Action]], forward_time: float, backward_time
     """Per action kind, its time for the whole rank (all chunks)."""
     if not is_split(schedule):
         return [("F", forward_time), ("B", backward_time)]
-    weight = backward_time / 2 if weight_time is None else weight_time
-    return [("F", forward_time), ("B", backward_time - weight), ("W", weight)]
+    t_b, t_w = _split_backward_times(backward_time, weight_time)
+    return [("F", forward_time), ("B", t_b), ("W", t_w)]
+
+
+def _split_backward_times(backward_time: float, weight_time: float | None) -> tuple[float, float]:
+    """``(T_B, T_W)`` of a whole backward of ``backward_time`` split into input and weight
+    gradient: ``T_W = weight_time``, by default half the backward."""
+    t_w = backward_time / 2 if weight_time is None else weight_time
+    return backward_time - t_w, t_w
 
 
 def is_split(schedule: list[list[Action]]) -> bool:
@@ -249,8 +256,7 @@ def theoretical_bubble(name: str, pp: int, n_micro: int, v: int = 1, forward_tim
     _validate(name, pp, n_micro, v)
     if name not in SPLIT_BACKWARD:
         return (pp - 1) / (v * n_micro + pp - 1)
-    t_w = backward_time / 2 if weight_time is None else weight_time
-    t_b = backward_time - t_w
+    t_b, t_w = _split_backward_times(backward_time, weight_time)
     idle = (pp - 1) * max(forward_time + t_b - t_w, forward_time, t_b)
     return idle / (n_micro * (forward_time + backward_time) + idle)
 
