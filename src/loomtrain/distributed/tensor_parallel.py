@@ -388,7 +388,7 @@ def check_vocab_split(vocab: int, n: int) -> None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, traffic, axis):
-        x = logits.detach().float().reshape(-1, logits.shape[-1])
+        x = logits.detach().to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
         v_local = x.shape[-1]
         # One MAX all-reduce gives the row maxima and, appended, the largest local vocabulary
         # size: rank 0's ceil(V/t), from which this rank's first id follows (chunk layout).

@@ -28,8 +28,8 @@ INIT_STD = 0.02
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019): ``x / rms(x) * weight``.
 
-    Computed in float32 and cast back to the input dtype, so that bf16 activations under
-    autocast do not lose the small mean of squares to rounding.
+    Computed in at least float32 (float64 stays float64) and cast back to the input dtype, so
+    that bf16 activations under autocast do not lose the small mean of squares to rounding.
 
     Shapes: ``x`` ``[..., dim]`` → same shape and dtype.
     """
@@ -40,9 +40,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.weight.to(xf.dtype)).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
