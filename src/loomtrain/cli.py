@@ -169,12 +169,13 @@ def _train_on_cluster(args: argparse.Namespace, overrides: list[str], cfg: Confi
 def _run_worker(cfg: Config) -> int:
     import torch.distributed as dist
 
+    from loomtrain.emulated_run import run_emulated
     from loomtrain.trainer import train
 
     rank = launch_env().rank
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        train(cfg)
+        run_emulated(cfg) if cfg.simulate.device else train(cfg)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

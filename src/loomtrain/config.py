@@ -716,6 +716,11 @@ class SimulateConfig(_Section):
     speed_change: list[str] = Field(
         default_factory=list, description='Throttle changes during the run, each "step:rank:speed".'
     )
+    device: str | None = Field(
+        None,
+        description="Emulate this GPU (a100, h100): pipeline stages take the cost model's time instead of "
+        "computing; every output says it is emulated (docs/pipeline.md). Pipeline ranks only: dp = tp = sp = 1.",
+    )
 
 
 class ProfileConfig(_Section):
@@ -850,6 +855,37 @@ class Config(_Section):
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (each dp rank must be "
                     f"one whole, uncompressed replica); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _emulated_devices_fit(self) -> Config:
+        """``simulate.device`` emulates pipeline stages, nothing else: one whole stage per rank's
+        compute, no sharding, no throttling, and a known device name."""
+        name = self.simulate.device
+        if name is None:
+            return self
+        from loomtrain.distributed.pipeline.emulated import device  # it imports this module
+
+        device(name)
+        p = self.parallel
+        if p.pipeline_parallel_degree < 2:
+            raise ValueError(f"simulate.device={name!r} emulates pipeline stages; set "
+                             "parallel.pipeline_parallel_degree to 2 or more")  # fmt: skip
+        needed = [
+            ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, 1),
+            ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
+            ("data_parallel.zero_stage", self.data_parallel.zero_stage, 0),
+            ("data_parallel.mode", self.data_parallel.mode, "sync"),
+            ("compression.method", self.compression.method, "none"),
+            ("simulate.rank_speed", self.simulate.rank_speed, []),
+            ("balance.pipeline", self.balance.pipeline, False),
+            ("model.init_from", self.model.init_from, None),
+        ]
+        for field, value, want in needed:
+            if value != want:
+                raise ValueError(f"simulate.device={name!r} with {field}={value!r} is not supported (an "
+                                 "emulated stage has no real weights to shard, throttle or load); "
+                                 f"set {field}={want!r}")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -138,10 +138,15 @@ def check_simulation(cfg: Config, world_size: int) -> None:
     """``simulate.rank_speed`` and ``simulate.speed_change`` fit ``world_size`` ranks and this machine.
 
     Raises:
-        ConfigError: a speed list of the wrong length, speeds that cannot be packed onto this
-            machine's cores, malformed or out-of-range speed changes, or no root / CPU controller.
+        ConfigError: an emulated device with dp > 1, a speed list of the wrong length, speeds that
+            cannot be packed onto this machine's cores, malformed or out-of-range speed changes, or no
+            root / CPU controller.
     """
     sim = cfg.simulate
+    dp = ParallelDims.from_config(cfg.parallel, world_size).dp
+    if sim.device is not None and dp > 1:
+        raise ConfigError(f"simulate.device={sim.device!r} on {world_size} processes gives dp={dp}; emulated runs "
+                          f"are pipeline ranks only: set --nproc to {world_size // dp}")  # fmt: skip
     if not sim.rank_speed:
         if sim.speed_change:
             raise ConfigError("simulate.speed_change needs simulate.rank_speed (one speed per rank); set both")

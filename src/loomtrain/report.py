@@ -9,6 +9,9 @@ turns one recorded step of it into two files next to it:
 - ``timeline.png``: the same step as a Gantt chart, with the measured and theoretical bubble
   fractions in the title.
 
+A timeline of emulated devices (``--simulate.device``; its ``emulated`` entry names the device)
+says so in every output: the bubble line, the trace's process name and the chart's title.
+
 ``timeline.json`` holds times in seconds, relative to the start of each step's window (the
 earliest action start over all ranks of the pipeline); stage ``s`` runs on pipeline rank
 ``s % pp``, so ``s // pp`` is its virtual chunk.
@@ -89,7 +92,14 @@ def bubble_summary(timeline: dict[str, Any], step: int | None = None) -> str:
     """
     record = _select_step(timeline, step)
     measured, theoretical = record.get("bubble_fraction"), record.get("theoretical_bubble")
-    return f"step {record['step']}: bubble {_percent(measured)} measured, {_percent(theoretical)} theoretical"
+    line = f"step {record['step']}: bubble {_percent(measured)} measured, {_percent(theoretical)} theoretical"
+    return _emulated_prefix(timeline) + line
+
+
+def _emulated_prefix(timeline: dict[str, Any]) -> str:
+    """``"EMULATED <device>: "`` for a timeline of emulated devices, else nothing."""
+    emulated = timeline.get("emulated")
+    return "" if emulated is None else f"EMULATED {emulated['device']} (cost model, not hardware): "
 
 
 def chrome_trace(timeline: dict[str, Any], step: int | None = None) -> dict[str, Any]:
@@ -106,9 +116,8 @@ def chrome_trace(timeline: dict[str, Any], step: int | None = None) -> dict[str,
         ValueError: ``step`` was not recorded, or no step was.
     """
     record = _select_step(timeline, step)
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"loomtrain step {record['step']}"}}
-    ]
+    name = _emulated_prefix(timeline) + f"loomtrain step {record['step']}"
+    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": name}}]
     for rank in record["ranks"]:
         tid = rank["pp_rank"]
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": f"pp rank {tid}"}})
@@ -197,7 +206,7 @@ def _gantt_title(timeline: dict[str, Any], record: dict[str, Any]) -> str:
         f"m={timeline['micro_batches']}  step {record['step']}"
     )
     bubble = f"bubble {_percent(record.get('bubble_fraction'))} measured, "
-    return f"{setup}\n{bubble}{_percent(record.get('theoretical_bubble'))} theoretical"
+    return f"{_emulated_prefix(timeline)}{setup}\n{bubble}{_percent(record.get('theoretical_bubble'))} theoretical"
 
 
 def _label_boxes(ax: Any, boxes: list[tuple[int, dict[str, Any]]]) -> None:

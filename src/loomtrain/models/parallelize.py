@@ -43,6 +43,7 @@ from loomtrain.distributed.data_parallel import CommHook, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
 from loomtrain.distributed.parallel_model import ParallelModel
+from loomtrain.distributed.pipeline.emulated import EmulatedStages, device, emulated_loss
 from loomtrain.distributed.pipeline.executor import PipelineExecutor
 from loomtrain.distributed.pipeline.p2p import PipelineComm
 from loomtrain.distributed.pipeline.schedule import rank_stages
@@ -99,6 +100,37 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
         pipeline = PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
                                     p.virtual_stages, comm)  # fmt: skip
     return ParallelModel(model, sync, dims, tp_shards, traffic, lambda: Transformer(model.cfg), pipeline)
+
+
+class EmulatedParallelModel(ParallelModel):
+    """A :class:`ParallelModel` of emulated pipeline stages (``simulate.device``): the last
+    stage's loss is :func:`~loomtrain.distributed.pipeline.emulated.emulated_loss` (zero; the
+    stages compute nothing), and there is no full model to sample from."""
+
+    def logits_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Zero, with a gradient of the real activation shape (see ``emulated_loss``)."""
+        return emulated_loss(logits, target)
+
+
+def parallelize_emulated(cfg: Config, dims: ParallelDims, hook: CommHook) -> EmulatedParallelModel:
+    """This rank's pipeline stages of ``cfg.model`` on the emulated ``simulate.device``
+    (``EmulatedStages``: each forward and backward takes the cost model's time for
+    ``training.micro_batch_size × seq_len`` tokens), split by ``parallel.stage_boundaries`` or
+    by layer count, driven by the real executor on the stages' own device clock. The stages'
+    one-element parameters get the (single-rank) data-parallel synchronizer the trainer expects.
+    """
+    p, t = cfg.parallel, cfg.training
+    plan = partition_layers(cfg.model.n_layers, p.n_stages, p.stage_boundaries)
+    stage_layers = {s: [str(i) for i in plan[s]] for s in rank_stages(dims.pp_rank, dims.pp, p.virtual_stages)}
+    model = EmulatedStages(cfg.model, stage_layers, p.n_stages, t.seq_len, t.micro_batch_size,
+                           device(cfg.simulate.device))  # fmt: skip
+    traffic = Traffic()
+    hook.count_into(traffic)
+    sync = apply_gradient_sync(model, dims, cfg, hook, {})
+    comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, torch.device("cpu"), traffic)
+    pipeline = PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
+                                p.virtual_stages, comm, clock=model.clock)  # fmt: skip
+    return EmulatedParallelModel(model, sync, dims, {}, traffic, lambda: model, pipeline)
 
 
 def apply_gradient_sync(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook,

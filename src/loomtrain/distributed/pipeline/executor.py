@@ -5,8 +5,10 @@ Before an action it waits for its input (an activation from the previous stage, 
 gradient of its output from the next one); the receive was posted earlier when the channel's
 shape was already agreed, so the transfer overlaps the previous action's compute. After an
 action it starts sending its result and moves on. Every action's start and end are
-recorded; after the step the pipeline ranks exchange them (one all-gather, which also carries
-the loss from the last stage), giving the measured bubble: idle time over step time.
+recorded by the executor's clock (:class:`WallClock` on real devices; an emulated device's own
+clock, ``emulated.DeviceClock``, which also stamps what is sent with when it was computed); after
+the step the pipeline ranks exchange them (one all-gather, which also carries the loss from the
+last stage), giving the measured bubble: idle time over step time.
 
 Gradient synchronisation over data-parallel ranks happens once per step: every backward but
 the last one of each stage runs under ``sync.no_sync()``, and the last one of each stage lets
@@ -61,6 +63,38 @@ class StepRecord:
     bubble_fraction: float
 
 
+class WallClock:
+    """Action times as the host sees them: ``time.time()`` seconds once the device's queued work is done.
+
+    The interface the executor times actions through (``emulated.DeviceClock`` is the other one):
+    :meth:`begin` before an action's compute, :meth:`end` after it, :meth:`stamp` on what it sends,
+    :meth:`synchronize` at the end of a step.
+    """
+
+    emulated = None  # real times: nothing for a timeline to flag
+
+    def __init__(self, device: torch.device):
+        self.device, self._start = device, 0.0
+
+    def begin(self, received: torch.Tensor | None = None) -> None:
+        """An action starts (``received``: the tensor it waited for; unused here)."""
+        synchronize(self.device)
+        self._start = time.time()
+
+    def end(self) -> tuple[float, float]:
+        """``(start, end)`` seconds of the action: an action's end is when its kernels end."""
+        synchronize(self.device)
+        return self._start, time.time()
+
+    def stamp(self, tensor: torch.Tensor, at: float) -> torch.Tensor:
+        """What to send for ``tensor``: the tensor itself."""
+        return tensor
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work."""
+        synchronize(self.device)
+
+
 @dataclass
 class _Pending:
     recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
@@ -79,14 +113,16 @@ class PipelineExecutor:
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         n_micro: micro-batches per training step; ``pp``, ``v``: pipeline degree and virtual stages.
         comm: the rank's :class:`PipelineComm`.
+        clock: what times the actions (default: a :class:`WallClock` on ``comm.device``).
 
     Raises:
         ScheduleError: the schedule does not fit ``pp``, ``v`` and ``n_micro``.
     """
 
     def __init__(self, model: torch.nn.Module, stage_layers: dict[int, list[str]], schedule: str, n_micro: int,
-                 pp: int, v: int, comm: PipelineComm):  # fmt: skip
+                 pp: int, v: int, comm: PipelineComm, clock=None):  # fmt: skip
         self.model, self.stage_layers, self.comm = model, stage_layers, comm
+        self.clock = WallClock(comm.device) if clock is None else clock
         self.schedule_name, self.n_micro, self.pp, self.v = schedule, n_micro, pp, v
         self.n_stages = pp * v
         self.all_actions = build_schedule(schedule, pp, n_micro, v)
@@ -155,16 +191,17 @@ class PipelineExecutor:
         for i, a in enumerate(self.actions):
             self._prefetch(self.actions, state, i)
             if a.kind == "F":
-                start, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=True)
+                span, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=True)
                 if loss is not None:
                     loss_sum += loss.detach().double().cpu()
             elif a.kind == "B" and self.split:
-                start = self._backward_input(a, state, scale / self.n_micro)
+                span = self._backward_input(a, state, scale / self.n_micro)
             else:
                 quiet = sync is not None and self.last_backward[a.stage] != i
                 with sync.no_sync() if quiet else contextlib.nullcontext():
-                    start = self._backward(a, state, scale / self.n_micro)
-            intervals.append((start, self._now()))
+                    span = self._backward(a, state, scale / self.n_micro)
+            intervals.append(span)
+        self.clock.synchronize()
         self.comm.finish_sends()
         loss, self.last_record = self._exchange(self.actions, intervals, loss_sum, self.all_actions)
         return loss / self.n_micro
@@ -179,54 +216,58 @@ class PipelineExecutor:
         state, intervals, loss_sum = _Pending(), [], torch.zeros((), dtype=torch.float64)
         for i, a in enumerate(actions):
             self._prefetch(actions, state, i)
-            start, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=False)
+            span, loss = self._forward(a, micro_batches, loss_fn, start_pos, state, autocast, train=False)
             if loss is not None:
                 loss_sum += loss.double().cpu()
-            intervals.append((start, self._now()))
+            intervals.append(span)
+        self.clock.synchronize()
         self.comm.finish_sends()
         loss, _ = self._exchange(actions, intervals, loss_sum, all_actions)
         return loss / len(micro_batches)
 
     def _forward(self, a: Action, micro_batches, loss_fn: LossFn, start_pos: int, state: _Pending, autocast,
-                 train: bool) -> tuple[float, torch.Tensor | None]:  # fmt: skip
+                 train: bool) -> tuple[tuple[float, float], torch.Tensor | None]:  # fmt: skip
         tokens, targets = micro_batches[a.micro_batch]
         x = tokens if a.stage == 0 else self._received(a, state).requires_grad_(train)
-        start = self._now()
+        self.clock.begin(None if a.stage == 0 else x)
         with autocast():
             out = self.model(x, start_pos, layers=self.stage_layers[a.stage])
             loss = loss_fn(out, targets) if a.stage == self.n_stages - 1 else None
+        span = self.clock.end()
         if loss is None:
-            self.comm.send(out, stage_rank(a.stage + 1, self.pp), "activation")
+            self.comm.send(self.clock.stamp(out, span[1]), stage_rank(a.stage + 1, self.pp), "activation")
         if train:
             state.saved[(a.stage, a.micro_batch)] = (x, out if loss is None else loss)
-        return start, loss
+        return span, loss
 
-    def _backward(self, a: Action, state: _Pending, loss_factor: float) -> float:
+    def _backward(self, a: Action, state: _Pending, loss_factor: float) -> tuple[float, float]:
         if a.kind == "W":
-            start = self._now()
+            self.clock.begin()
             state.weights.pop((a.stage, a.micro_batch)).run()
-            return start
+            return self.clock.end()
         x, out = state.saved.pop((a.stage, a.micro_batch))
         grad = None if a.stage == self.n_stages - 1 else self._received(a, state)
-        start = self._now()
+        self.clock.begin(grad)
         if grad is None:
             (out * loss_factor).backward()
         else:
             torch.autograd.backward(out, grad)
+        span = self.clock.end()
         if a.stage > 0:
-            self.comm.send(x.grad, stage_rank(a.stage - 1, self.pp), "gradient")
-        return start
+            self.comm.send(self.clock.stamp(x.grad, span[1]), stage_rank(a.stage - 1, self.pp), "gradient")
+        return span
 
-    def _backward_input(self, a: Action, state: _Pending, loss_factor: float) -> float:
+    def _backward_input(self, a: Action, state: _Pending, loss_factor: float) -> tuple[float, float]:
         """A split schedule's ``B``: the input gradient only, sent at once; the weight gradient waits for ``W``."""
         x, out = state.saved.pop((a.stage, a.micro_batch))
         last = a.stage == self.n_stages - 1
         grad = None if last else self._received(a, state)
-        start = self._now()
+        self.clock.begin(grad)
         dx, state.weights[(a.stage, a.micro_batch)] = backward_input(out * loss_factor if last else out, x, grad)
+        span = self.clock.end()
         if a.stage > 0:
-            self.comm.send(dx, stage_rank(a.stage - 1, self.pp), "gradient")
-        return start
+            self.comm.send(self.clock.stamp(dx, span[1]), stage_rank(a.stage - 1, self.pp), "gradient")
+        return span
 
     def timeline(self, step: int) -> dict:
         """:attr:`last_record` as the run directory's ``timeline.json`` document (read by
@@ -257,13 +298,10 @@ class PipelineExecutor:
             "pp": self.pp,
             "virtual_stages": self.v,
             "micro_batches": self.n_micro,
+            **({} if self.clock.emulated is None else {"emulated": self.clock.emulated}),
             "steps": [{"step": step, "bubble_fraction": record.bubble_fraction, "theoretical_bubble": theory,
                        "ranks": ranks}],
         }  # fmt: skip
-
-    def _now(self) -> float:
-        synchronize(self.comm.device)  # an action's end is when its kernels end
-        return time.time()
 
     def _exchange(self, actions, intervals, loss_sum, all_actions) -> tuple[float, StepRecord]:
         """One all-gather over the pipeline ranks: every rank's action intervals and loss sum

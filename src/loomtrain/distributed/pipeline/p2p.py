@@ -39,6 +39,25 @@ class PipelineComm:
         self._recv_meta: dict[tuple[int, str], tuple] = {}
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
+    @classmethod
+    def consecutive(cls, pp: int) -> PipelineComm:
+        """This rank's channels in its pipeline of ``pp`` consecutive ranks of the default group
+        (ranks ``0..pp-1`` form one pipeline, ``pp..2pp-1`` the next, ...), on CPU. Every rank must
+        call it: it creates every pipeline's groups, as ``new_group`` requires.
+
+        Raises:
+            ValueError: the world size is not a multiple of ``pp``.
+        """
+        world, rank, mine = dist.get_world_size(), dist.get_rank(), None
+        if world % pp:
+            raise ValueError(f"{world} ranks do not form pipelines of {pp}")
+        for first in range(0, world, pp):
+            ranks = list(range(first, first + pp))
+            groups = {"activation": dist.new_group(ranks), "gradient": dist.new_group(ranks)}
+            if rank in ranks:
+                mine = cls(groups, rank - first, pp, torch.device("cpu"))
+        return mine
+
     def _global(self, pp_rank: int, kind: str) -> int:
         return dist.get_global_rank(self.groups[kind], pp_rank)
 
