@@ -333,7 +333,11 @@ class TrainingConfig(_Section):
 # outer momentum to make up for drift, so its period is our choice of 8: short enough that
 # replicas at the learning rates of synchronous training stay close, long enough to cut the
 # bytes eightfold.
-DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500}
+DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500, "streaming_diloco": 100}
+# Streaming DiLoCo (Douillard et al. 2025, Fig. 6): "3 layers per fragment across all model scales".
+BLOCKS_PER_FRAGMENT = 3
+# data_parallel fields that only streaming_diloco reads.
+STREAMING_FIELDS = ("fragments", "overlap_steps", "mixing_alpha", "outer_grad_dtype")
 
 
 class DataParallelConfig(_Section):
@@ -387,51 +391,130 @@ class DataParallelConfig(_Section):
     loss_scale_growth_interval: int = Field(
         2000, ge=1, description="fp16 only: consecutive steps without overflow after which the loss scale doubles."
     )
-    mode: Literal["sync", "local_sgd", "diloco"] = Field(
+    mode: Literal["sync", "local_sgd", "diloco", "streaming_diloco"] = Field(
         "sync",
         description=(
             "`sync`: average gradients every step. `local_sgd`: each dp rank steps its own replica and the replicas"
             " are averaged every `inner_steps` steps. `diloco` (Douillard et al. 2023): the same, but the averaged"
-            " parameter delta is applied by an outer SGD with Nesterov momentum (docs/async_data_parallel.md)."
+            " parameter delta is applied by an outer SGD with Nesterov momentum. `streaming_diloco` (Douillard et"
+            " al. 2025): DiLoCo on one fragment of the model at a time, overlapped with the next inner steps"
+            " (docs/async_data_parallel.md)."
         ),
     )
     inner_steps: int | None = Field(
         None,
         ge=1,
         description=(
-            "local_sgd/diloco: local optimizer steps between two outer steps (H). Unset: 8 for local_sgd, 500 for"
-            " diloco (the DiLoCo paper's H). The last training step always ends with an outer step."
+            "local_sgd/diloco/streaming_diloco: local optimizer steps between two outer steps of a replica (of a"
+            " fragment, for streaming_diloco) (H). Unset: 8 for local_sgd, 500 for diloco (the DiLoCo paper's H),"
+            " 100 for streaming_diloco. The last training step always ends with an outer step."
         ),
     )
-    outer_lr: float = Field(0.7, gt=0, description="diloco only: the outer SGD's learning rate (DiLoCo §3: 0.7).")
+    outer_lr: float = Field(
+        0.7, gt=0, description="diloco/streaming_diloco only: the outer SGD's learning rate (DiLoCo §3: 0.7)."
+    )
     outer_momentum: float = Field(
-        0.9, ge=0, lt=1, description="diloco only: the outer SGD's momentum (DiLoCo §3: Nesterov, 0.9)."
+        0.9,
+        ge=0,
+        lt=1,
+        description="diloco/streaming_diloco only: the outer SGD's momentum (DiLoCo §3: Nesterov, 0.9).",
     )
     outer_nesterov: bool = Field(
-        True, description="diloco only: Nesterov momentum in the outer SGD (DiLoCo §3); ignored at momentum 0."
+        True,
+        description=(
+            "diloco/streaming_diloco only: Nesterov momentum in the outer SGD (DiLoCo §3); ignored at momentum 0."
+        ),
+    )
+    fragments: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "streaming_diloco only: fragments F, each a run of consecutive transformer blocks; fragment f is"
+            " outer-synchronized every `inner_steps` steps at an offset of f·H/F steps. Unset: ⌈model.n_layers / 3⌉"
+            " (3 blocks per fragment, Streaming DiLoCo Fig. 6). At most model.n_layers and `inner_steps`."
+        ),
+    )
+    overlap_steps: int = Field(
+        1,
+        ge=0,
+        description=(
+            "streaming_diloco only: inner steps τ a fragment's outer all-reduce overlaps before its result is"
+            " applied (Streaming DiLoCo Table 1: one step); 0 waits for it at once. Below `inner_steps`."
+        ),
+    )
+    mixing_alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "streaming_diloco with `overlap_steps` ≥ 1: the replica's fragment becomes α·θ_local + (1−α)·θ_global"
+            " when the overlapped outer step lands (Streaming DiLoCo Fig. 8 and 10: α = 0.5); 0 takes θ_global."
+        ),
+    )
+    outer_grad_dtype: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32",
+        description=(
+            "streaming_diloco only: the dtype outer gradients cross the dp group in. `fp32`: one all-reduce. `bf16`"
+            " / `int8` (a scale per 1024 elements): each replica's outer gradient is all-gathered in that dtype"
+            " and summed in fp32, as Streaming DiLoCo sums its 4-bit outer gradients (torch has no 4-bit float"
+            " arithmetic)."
+        ),
     )
 
     @property
     def resolved_inner_steps(self) -> int:
-        """``inner_steps``, or the mode's default when unset (8 for local_sgd, 500 for diloco)."""
+        """``inner_steps``, or the mode's default when unset (8 for local_sgd, 500 for diloco, 100
+        for streaming_diloco)."""
         return self.inner_steps or DEFAULT_INNER_STEPS.get(self.mode, 1)
+
+    def resolved_fragments(self, n_layers: int) -> int:
+        """streaming_diloco's fragment count F for a model of ``n_layers`` transformer blocks:
+        ``fragments``, or ⌈n_layers / 3⌉ when unset (Streaming DiLoCo, Fig. 6: 3 blocks per
+        fragment)."""
+        return self.fragments or -(-n_layers // BLOCKS_PER_FRAGMENT)
 
     @model_validator(mode="after")
     def _outer_settings_fit_mode(self) -> DataParallelConfig:
         # Compared with the defaults, not with what was set: a saved config.toml lists every field.
-        fields = DataParallelConfig.model_fields
-        outer = [name for name in ("outer_lr", "outer_momentum", "outer_nesterov")
-                 if getattr(self, name) != fields[name].default]  # fmt: skip
-        if self.mode != "diloco" and outer:
+        outer = self._changed("outer_lr", "outer_momentum", "outer_nesterov")
+        if self.mode not in ("diloco", "streaming_diloco") and outer:
             raise ValueError(
                 f"data_parallel.{', data_parallel.'.join(outer)} only appl{'ies' if len(outer) == 1 else 'y'} to "
-                "data_parallel.mode='diloco' "
+                "data_parallel.mode='diloco' or 'streaming_diloco' "
                 f"(got mode={self.mode!r}); drop them or set the mode"
+            )
+        streaming = self._changed(*STREAMING_FIELDS)
+        if self.mode != "streaming_diloco" and streaming:
+            raise ValueError(
+                f"data_parallel.{', data_parallel.'.join(streaming)} only appl{'ies' if len(streaming) == 1 else 'y'}"
+                f" to data_parallel.mode='streaming_diloco' (got mode={self.mode!r}); drop them or set the mode"
             )
         if self.mode == "sync" and self.inner_steps is not None:
             raise ValueError(
-                "data_parallel.inner_steps only applies to data_parallel.mode='local_sgd' or 'diloco'; drop it or "
-                "set the mode"
+                "data_parallel.inner_steps only applies to data_parallel.mode='local_sgd', 'diloco' or "
+                "'streaming_diloco'; drop it or set the mode"
+            )
+        return self
+
+    def _changed(self, *names: str) -> list[str]:
+        """Those of the fields ``names`` that differ from their defaults."""
+        fields = DataParallelConfig.model_fields
+        return [name for name in names if getattr(self, name) != fields[name].default]
+
+    @model_validator(mode="after")
+    def _overlap_fits_period(self) -> DataParallelConfig:
+        if self.mode != "streaming_diloco":
+            return self
+        h = self.resolved_inner_steps
+        if self.overlap_steps >= h:
+            raise ValueError(
+                f"data_parallel.overlap_steps={self.overlap_steps} is not below data_parallel.inner_steps={h}: a "
+                "fragment's outer step must land before its next one starts; lower overlap_steps or raise inner_steps"
+            )
+        if self.overlap_steps == 0 and self._changed("mixing_alpha"):
+            raise ValueError(
+                f"data_parallel.mixing_alpha={self.mixing_alpha} only applies with data_parallel.overlap_steps >= 1 "
+                "(without overlap the replica takes θ_global); drop it or set overlap_steps"
             )
         return self
 
@@ -855,6 +938,27 @@ class Config(_Section):
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (each dp rank must be "
                     f"one whole, uncompressed replica); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _fragments_fit_model(self) -> Config:
+        """streaming_diloco: each of the F fragments holds at least one transformer block and
+        has its own sync step in each period of ``inner_steps``."""
+        dp = self.data_parallel
+        if dp.mode != "streaming_diloco":
+            return self
+        n_layers, h = self.model.n_layers, dp.resolved_inner_steps
+        f = dp.resolved_fragments(n_layers)
+        if f > n_layers:
+            raise ValueError(
+                f"data_parallel.fragments={f} is more than model.n_layers={n_layers}: a fragment is one or more "
+                f"whole transformer blocks; set data_parallel.fragments to at most {n_layers}"
+            )
+        if f > h:
+            raise ValueError(
+                f"data_parallel.fragments={f} is more than data_parallel.inner_steps={h}: the F fragments sync at "
+                f"distinct steps f·H/F of each period; set data_parallel.fragments to at most {h} or raise inner_steps"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,5 +1,5 @@
-"""Local SGD and DiLoCo (``distributed/local_sgd.py``) on a real 2-process gloo group, and
-their config checks in-process.
+"""Local SGD, DiLoCo and streaming DiLoCo (``distributed/local_sgd.py``) on real 2-process gloo
+groups (one spawn for local SGD/DiLoCo, one for streaming), and their config checks in-process.
 
 Tolerance: 1e-6 relative (fp32). With SGD + momentum as the inner optimizer and no clipping,
 every inner update is linear in the gradient, so local SGD with H = 1 applies the same update
@@ -11,20 +11,29 @@ by ~1e-2. AdamW inner steps are compared only between modes that share them exac
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loomtrain.config import ConfigError, ModelConfig, load_config
+from loomtrain.config import ConfigError, DataParallelConfig, ModelConfig, load_config
 from loomtrain.distributed.data_parallel import apply_data_parallel
-from loomtrain.distributed.local_sgd import LocalOnlyHook, OuterSync, check_identical, flatten, write_flat
-from loomtrain.distributed.traffic import GRADIENT_AXIS, all_reduce_bytes
+from loomtrain.distributed.local_sgd import (
+    LocalOnlyHook,
+    OuterSync,
+    StreamingOuterSync,
+    check_identical,
+    flatten,
+    write_flat,
+)
+from loomtrain.distributed.traffic import GRADIENT_AXIS, all_gather_bytes, all_reduce_bytes
 from loomtrain.models import Transformer
 from tests.distributed.checks import check_result, run_checks, spawn_once
 
 CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
+CFG2 = ModelConfig(n_layers=2, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)  # streaming: up to 2 fragments
 STEPS, RTOL = 7, 1e-6
 
 
@@ -35,9 +44,9 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def make_model(optimizer: str, hook=None):
+def make_model(optimizer: str, hook=None, cfg: ModelConfig = CFG):
     torch.manual_seed(0)
-    model = Transformer(CFG)
+    model = Transformer(cfg)
     sync = apply_data_parallel(model, dist.group.WORLD, hook=hook)
     if optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -88,8 +97,8 @@ def train_local(optimizer: str, mode: str, h: int, lr: float = 0.7, momentum: fl
 
 
 def gathered_spread(params) -> float:
-    """Largest difference between the two ranks' parameters (a collective)."""
-    flat = flatten(params)
+    """Largest difference between the two ranks' parameters, a list or one flat tensor (a collective)."""
+    flat = flatten(params) if isinstance(params, list) else params
     both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(both, flat)
     return (both[0] - both[1]).abs().max().item()
@@ -190,8 +199,82 @@ def all_checks() -> dict:
     })  # fmt: skip
 
 
+def streaming(model, opt, hook, **settings) -> StreamingOuterSync:
+    cfg = DataParallelConfig(mode="streaming_diloco", **settings)
+    return StreamingOuterSync(list(model.named_parameters()), opt, dist.group.WORLD, cfg, hook)
+
+
+def streaming_f1_equals_diloco():
+    """DiLoCo and streaming DiLoCo with F = 1, τ = 0, fp32 (H = 3, 7 AdamW steps, the last one
+    forced): each run's losses, final parameters, outer steps and bytes sent."""
+    runs = []
+    for mode in ("diloco", "streaming_diloco"):
+        model, sync, opt = make_model("adamw", LocalOnlyHook(), CFG2)
+        if mode == "diloco":
+            outer = OuterSync(list(model.parameters()), opt, dist.group.WORLD, mode, 3, hook=sync.hook)
+        else:
+            outer = streaming(model, opt, sync.hook, inner_steps=3, fragments=1, overlap_steps=0)
+        losses = []
+        for s in range(STEPS):
+            losses.append(inner_step(model, sync, opt, s))
+            outer.after_inner_step(force=s == STEPS - 1)
+        runs.append((losses, flatten(list(model.parameters())), outer.outer_steps, sync.hook.bytes_sent))
+    return runs
+
+
+def streaming_run(dtype: str, overlap: int, stop: int = STEPS, start=None) -> dict:
+    """Streaming DiLoCo with F = 2 fragments, H = 4 (offsets 0 and 2), the last of ``STEPS``
+    steps forced. Per step, after the outer sync's turn: each fragment's replica spread and
+    θ_global spread, the bytes sent, whether θ_global's fragment changed. ``stop`` ends early
+    and returns the state instead; ``start`` = ``(step, state)`` resumes."""
+    model, sync, opt = make_model("adamw", LocalOnlyHook(), CFG2)
+    outer = streaming(model, opt, sync.hook, inner_steps=4, fragments=2, overlap_steps=overlap, outer_grad_dtype=dtype)
+    params, first = list(model.parameters()), 0
+    if start is not None:
+        first, state = start
+        outer.load_state_dict(state)
+    rec = {"losses": [], "spread": [], "global_spread": [], "sent": [], "moved": []}
+    for s in range(first, stop):
+        rec["losses"].append(inner_step(model, sync, opt, s))
+        sent, theta = outer.hook.bytes_sent, outer.global_flat.clone()
+        outer.after_inner_step(force=s == STEPS - 1)
+        rec["sent"].append(outer.hook.bytes_sent - sent)
+        rec["spread"].append([gathered_spread(params[p]) for p, _ in outer.spans])
+        rec["global_spread"].append(gathered_spread(outer.global_flat))
+        rec["moved"].append([not torch.equal(outer.global_flat[e], theta[e]) for _, e in outer.spans])
+    rec["numels"] = [e.stop - e.start for _, e in outer.spans]
+    rec["params"] = flatten(params)
+    if stop < STEPS:
+        rec["state"] = copy.deepcopy(outer.state_dict())
+        rec["in_flight"] = len(outer.pending)
+    return rec
+
+
+def streaming_resume_in_flight():
+    """bf16, τ = 1: stopped after step 2 (fragment 1's all-reduce in flight), resumed into a
+    fresh model, optimizer and outer sync, against the uninterrupted run."""
+    whole = streaming_run("bf16", 1)
+    stopped = streaming_run("bf16", 1, stop=2)
+    resumed = streaming_run("bf16", 1, start=(2, stopped["state"]))
+    return whole, stopped["in_flight"], resumed
+
+
+def streaming_checks() -> dict:
+    return run_checks({
+        "f1_equals_diloco": streaming_f1_equals_diloco,
+        "offsets_fp32": lambda: streaming_run("fp32", 0),
+        "overlap_bf16": lambda: streaming_run("bf16", 1),
+        "overlap_int8": lambda: streaming_run("int8", 1),
+        "resume_in_flight": streaming_resume_in_flight,
+    })  # fmt: skip
+
+
 def results():
     return spawn_once(all_checks, 2, timeout_s=120)
+
+
+def streaming_results():
+    return spawn_once(streaming_checks, 2, timeout_s=120)
 
 
 def assert_rel(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -285,3 +368,102 @@ def test_mode_defaults_and_misplaced_settings():
         load_config(None, ["--data_parallel.mode=local_sgd", "--data_parallel.outer_lr=1"])
     with pytest.raises(ConfigError, match="data_parallel.inner_steps only applies"):
         load_config(None, ["--data_parallel.inner_steps=4"])
+
+
+def test_streaming_diloco_with_one_fragment_and_no_overlap_is_diloco():
+    """Catches: a streaming schedule that syncs at other steps than DiLoCo's (an off-by-one
+    offset, a missing forced last sync), a fragment that does not cover the whole model, or an
+    outer step that differs from DiLoCo's (momentum per fragment mixed up, a mix with α where τ =
+    0 must replace): with F = 1, τ = 0, fp32 it must be DiLoCo bit for bit."""
+    diloco, streaming = check_result(streaming_results(), "f1_equals_diloco")
+    assert streaming[0] == diloco[0]
+    assert torch.equal(streaming[1], diloco[1])
+    assert streaming[2:] == diloco[2:] and diloco[2] == 3
+
+
+def test_streaming_fragments_sync_at_their_own_offsets():
+    """Catches: fragments synced together or at the wrong offset, a sync that leaves the
+    replicas apart on its fragment or touches the other one: at H = 4, F = 2, τ = 0 fragment 1
+    syncs after steps 2 and 6, fragment 0 after step 4, both after the forced step 7."""
+    rec = check_result(streaming_results(), "offsets_fp32")
+    synced = [[spread == 0.0 for spread in step] for step in rec["spread"]]
+    assert synced == [[False, False], [False, True], [False, False], [True, False], [False, False],
+                      [False, True], [True, True]]  # fmt: skip
+    assert rec["global_spread"] == [0.0] * STEPS
+
+
+def test_streaming_sync_sends_one_fragment_and_bf16_halves_it():
+    """Catches: a fragment sync that sends the whole model (or the wrong fragment), bytes not
+    counted, and bf16/int8 outer gradients that still travel as fp32: each sync sends its own
+    fragment's fp32 all-reduce (about 1/F of a full one), bf16 exactly half of that, int8
+    about a quarter; the forced last sync sends the whole model."""
+    results = streaming_results()
+    fp32, bf16, int8 = (check_result(results, name) for name in ("offsets_fp32", "overlap_bf16", "overlap_int8"))
+    n0, n1 = fp32["numels"]
+    full = all_reduce_bytes(4 * (n0 + n1), 2)
+    assert fp32["sent"] == [0, all_reduce_bytes(4 * n1, 2), 0, all_reduce_bytes(4 * n0, 2), 0,
+                            all_reduce_bytes(4 * n1, 2), full]  # fmt: skip
+    assert all(0.4 < fp32["sent"][t] / full < 0.6 for t in (1, 3, 5))
+    assert bf16["sent"][1] == all_gather_bytes(2 * 2 * n1, 2) == fp32["sent"][1] // 2
+    assert [b * 2 for b in bf16["sent"]] == fp32["sent"]
+    assert all(0 < i8 < 0.3 * f32 for i8, f32 in zip(int8["sent"], fp32["sent"], strict=True) if f32)
+
+
+def test_streaming_overlapped_sync_lands_tau_steps_later_on_every_replica():
+    """Catches: an overlapped all-reduce applied at once (or never), θ_global differing across
+    replicas after a quantized sum (ranks summing in their own order), and a mix that leaves
+    the replicas' fragment equal (α ignored): at τ = 1 fragment 1's outer step lands at step
+    3, fragment 0's at 5, both at the forced step 7."""
+    for name in ("overlap_bf16", "overlap_int8"):
+        rec = check_result(streaming_results(), name)
+        assert rec["moved"] == [[False, False], [False, False], [False, True], [False, False], [True, False],
+                                [False, False], [True, True]], name  # fmt: skip
+        assert rec["global_spread"] == [0.0] * STEPS, name
+        assert rec["spread"][2][1] > 0 and rec["spread"][-1] == [0.0, 0.0], name
+
+
+def test_streaming_resume_with_an_all_reduce_in_flight_continues_exactly():
+    """Catches: an in-flight all-reduce dropped or applied early at a checkpoint, or its step
+    lost: resumed after step 2 with fragment 1's sync in flight, the run must reproduce the
+    uninterrupted one's losses and final parameters bit for bit."""
+    whole, in_flight, resumed = check_result(streaming_results(), "resume_in_flight")
+    assert in_flight == 1
+    assert resumed["losses"] == whole["losses"][2:]
+    assert torch.equal(resumed["params"], whole["params"])
+
+
+def test_streaming_defaults():
+    """Catches: defaults that are not the documented ones (H = 100, 3 blocks per fragment, τ = 1,
+    α = 0.5, fp32 outer gradients)."""
+    dp = load_config(None, ["--data_parallel.mode=streaming_diloco"]).data_parallel
+    assert dp.resolved_inner_steps == 100
+    assert (dp.resolved_fragments(24), dp.resolved_fragments(4), dp.resolved_fragments(1)) == (8, 2, 1)
+    assert (dp.overlap_steps, dp.mixing_alpha, dp.outer_grad_dtype) == (1, 0.5, "fp32")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--data_parallel.fragments=5"], "data_parallel.fragments=5 is more than model.n_layers=4"),
+        (["--data_parallel.inner_steps=1", "--data_parallel.overlap_steps=0"],
+         "data_parallel.fragments=2 is more than data_parallel.inner_steps=1"),
+        (["--data_parallel.inner_steps=4", "--data_parallel.overlap_steps=4"],
+         "data_parallel.overlap_steps=4 is not below data_parallel.inner_steps=4"),
+        (["--data_parallel.overlap_steps=0", "--data_parallel.mixing_alpha=0.3"],
+         "data_parallel.mixing_alpha=0.3 only applies with data_parallel.overlap_steps >= 1"),
+        (["--data_parallel.outer_grad_dtype=fp8"], "outer_grad_dtype"),
+        (["--data_parallel.zero_stage=1"], "data_parallel.mode='streaming_diloco' with data_parallel.zero_stage=1"),
+    ],
+)  # fmt: skip
+def test_streaming_refuses_bad_settings(overrides, message):
+    """Catches: more fragments than blocks or than sync steps per period, an overlap so long a
+    fragment's next sync starts before its last one landed, α given where nothing mixes, an
+    outer-gradient dtype we do not implement, and streaming with ZeRO, all accepted silently."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["--data_parallel.mode=streaming_diloco", *overrides])
+
+
+def test_streaming_settings_refused_for_other_modes():
+    """Catches: fragments/overlap settings given to diloco, which ignores them without a word."""
+    with pytest.raises(ConfigError, match=re.escape("data_parallel.fragments only applies to data_parallel.mode='st")):
+        load_config(None, ["--data_parallel.mode=diloco", "--data_parallel.fragments=2"])

@@ -22,23 +22,37 @@ The global model ``θ_global`` is what the run evaluates and writes into the DCP
 outer optimizer state and the inner step counter go into its per-rank checkpoint file
 (:meth:`OuterSync.state_dict`), so a resume inside an inner phase continues the same run.
 The trainer forces an outer step after the last training step, so a run ends with one model.
+
+Streaming DiLoCo (:class:`StreamingOuterSync`): Douillard et al., "Streaming DiLoCo with
+overlapping communication: Towards a Distributed Free Lunch" (arXiv:2501.18512, 2025). DiLoCo's
+outer step, taken on one fragment of the model at a time (§2.2, streaming partial updates): the
+model's transformer blocks are split into F runs of consecutive blocks (the paper's "sequential"
+pattern, Fig. 2; its "strided" one is not offered) and fragment f's outer step starts every H
+inner steps at an offset of f·H/F steps, so one starts every H/F steps and each sends about 1/F
+of the model. Its all-reduce overlaps the next τ inner steps (§2.3-2.4; Table 1 lets it take one
+step) and lands as ``θ_local ← α·θ_local + (1−α)·θ_global`` on that fragment (α = 0.5, Fig. 8
+and 10). The outer gradients may cross the dp group in bf16 or int8 and are summed in fp32 (the
+paper's are 4-bit floats, Fig. 11; torch has no 4-bit float arithmetic).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loomtrain.compression.quantize import dequantize_int8, quantize_int8
 from loomtrain.config import DEFAULT_INNER_STEPS, DataParallelConfig
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
-from loomtrain.distributed.traffic import all_reduce_bytes
+from loomtrain.distributed.traffic import all_gather_bytes, all_reduce_bytes
 from loomtrain.hardware import synchronize
 
 log = logging.getLogger(__name__)
@@ -129,12 +143,15 @@ class OuterSync:
         self.hook = hook if hook is not None else LocalOnlyHook()
         self.global_flat = flatten(self.params)
         check_identical(self.global_flat, group, "the initial parameters")
-        self.outer_optimizer = None
-        if mode == "diloco":
-            self.outer_optimizer = torch.optim.SGD([self.global_flat], lr=outer_lr, momentum=outer_momentum,
-                                                   nesterov=nesterov and outer_momentum > 0)  # fmt: skip
+        self.outer_optimizer = self._build_outer_optimizer(outer_lr, outer_momentum, nesterov)
         self.inner_done = self.outer_steps = 0
         self.wait_s = 0.0
+
+    def _build_outer_optimizer(self, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD | None:
+        """DiLoCo's outer SGD on ``θ_global`` (``None`` for local SGD: lr 1, no momentum)."""
+        if self.mode != "diloco":
+            return None
+        return torch.optim.SGD([self.global_flat], lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
     def after_inner_step(self, force: bool = False) -> bool:
         """Count one inner step; take the outer step when ``inner_steps`` are done or ``force``
@@ -236,13 +253,276 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any
     optimizer.load_state_dict({"state": saved["state"], "param_groups": groups})
 
 
+# A transformer block's parameters: ``layers.<i>.…``, under any wrapper's prefix.
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# int8 outer gradients: elements per fp32 scale (compression.chunk_size's default).
+OUTER_INT8_CHUNK = 1024
+
+
+def count_blocks(names: list[str]) -> int:
+    """The number of transformer blocks among the parameter ``names`` (``layers.<i>.…``)."""
+    return 1 + max((int(m.group(1)) for name in names if (m := _BLOCK.search(name))), default=-1)
+
+
+def block_fragments(names: list[str], fragments: int) -> list[int]:
+    """The fragment (0..F−1) of each parameter named in ``names`` (``model.named_parameters()``
+    order), F = ``fragments``. The model's B transformer blocks (parameters named
+    ``…layers.<i>.…``) form F runs of consecutive blocks, block i in fragment ⌊i·F/B⌋ (sizes
+    differ by at most one: 24 blocks, F = 8 gives the paper's 3 blocks per fragment); a parameter
+    outside the blocks joins the fragment of the block before it (the embedding, before every
+    block, fragment 0; the final norm and output head fragment F−1; a model without blocks is
+    one fragment). Each fragment is then one contiguous run of the flat parameters.
+
+    Raises:
+        ValueError: fewer blocks than ``fragments``, or blocks out of order in ``names``.
+    """
+    blocks = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
+    n_blocks = count_blocks(names)
+    if fragments > max(n_blocks, 1):
+        raise ValueError(
+            f"data_parallel.fragments={fragments} is more than the model's {n_blocks} transformer blocks "
+            "(parameters named layers.<i>.…); set data_parallel.fragments to at most the number of blocks"
+        )
+    out, current = [], 0
+    for name, b in zip(names, blocks, strict=True):
+        current = current if b is None else b * fragments // n_blocks
+        if out and current < out[-1]:
+            raise ValueError(f"parameter {name!r} comes after a later block's: fragments must be contiguous")
+        out.append(current)
+    return out
+
+
+def fragment_spans(fragment_of: list[int], numels: list[int]) -> list[tuple[slice, slice]]:
+    """For each fragment (ids in ``fragment_of``, non-decreasing, one per parameter of
+    ``numels`` elements): its parameters (a slice of the parameter list) and its elements (a
+    slice of the flat fp32 parameters)."""
+    spans, first, offset = [], 0, 0
+    for f in range(fragment_of[-1] + 1):
+        last = first + fragment_of.count(f)
+        size = sum(numels[first:last])
+        spans.append((slice(first, last), slice(offset, offset + size)))
+        first, offset = last, offset + size
+    return spans
+
+
+def encode_outer(x: torch.Tensor, numels: list[int], dtype: str) -> torch.Tensor:
+    """The uint8 payload of the 1-D fp32 outer gradient ``x`` (``Σ numels`` elements): its bf16
+    values (2 bytes each), or per parameter (so no scale spans two tensors) the fp32 scales then
+    the int8 values of :func:`~loomtrain.compression.quantize.quantize_int8`, one scale per
+    :data:`OUTER_INT8_CHUNK` elements (about 1 byte each)."""
+    if dtype == "bf16":
+        return x.to(torch.bfloat16).view(torch.uint8)
+    parts = []
+    for piece in x.split(numels):
+        q, scale = quantize_int8(piece, OUTER_INT8_CHUNK)
+        parts += [scale.view(torch.uint8), q.view(torch.uint8)]
+    return torch.cat(parts)
+
+
+def decode_outer(payload: torch.Tensor, numels: list[int], dtype: str) -> torch.Tensor:
+    """fp32 ``[Σ numels]`` from a payload of :func:`encode_outer`."""
+    if dtype == "bf16":
+        return payload.view(torch.bfloat16).float()
+    out, start = [], 0
+    for numel in numels:
+        scales = 4 * -(-numel // OUTER_INT8_CHUNK)
+        # A copy: a payload starts at any byte offset, and a float32 view needs 4-byte alignment.
+        scale = payload[start : start + scales].clone().view(torch.float32)
+        q = payload[start + scales : start + scales + numel].view(torch.int8)
+        out.append(dequantize_int8(q, scale, OUTER_INT8_CHUNK))
+        start += scales + numel
+    return torch.cat(out)
+
+
+def sum_decoded(parts: list[torch.Tensor], numels: list[int], dtype: str) -> torch.Tensor:
+    """fp32 ``[Σ numels]``: the sum of every rank's decoded payload (``parts``, rank order). The
+    same bytes in the same order give every replica the bitwise-identical sum."""
+    total = decode_outer(parts[0], numels, dtype)
+    for part in parts[1:]:
+        total += decode_outer(part, numels, dtype)
+    return total
+
+
+@dataclass
+class InFlight:
+    """One fragment's outer all-reduce, started at a sync step and applied at inner step
+    ``apply_at``. ``finish`` gives the replicas' summed outer gradient (1-D fp32) once ``work``
+    is done; ``total`` holds it after :meth:`wait` (or from a checkpoint, with no ``work``)."""
+
+    fragment: int
+    apply_at: int
+    work: dist.Work | None
+    finish: Callable[[], torch.Tensor] | None
+    total: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The summed outer gradient, waiting for the collective if it is still in flight."""
+        if self.total is None:
+            self.work.wait()
+            self.total = self.finish()
+        return self.total
+
+
+class StreamingOuterSync(OuterSync):
+    """Streaming DiLoCo's outer loop over one dp ``group`` (module docstring; settings from
+    ``cfg``: ``inner_steps`` H, ``fragments`` F, ``overlap_steps`` τ, ``mixing_alpha`` α,
+    ``outer_grad_dtype``, the outer SGD's). ``named``: the trainable ``(name, parameter)`` pairs
+    in ``model.named_parameters()`` order, split by :func:`block_fragments`.
+
+    After inner step t (counted from the start), fragment f = the one whose offset ``f·H//F``
+    is ``t mod H`` starts: its outer gradient ``θ_global,f − θ_local,f`` is all-reduced with
+    ``async_op=True`` (fp32; bf16/int8 payloads are all-gathered and summed in fp32 in rank
+    order, so every replica gets the same sum). After step t + τ its mean is applied by the outer
+    SGD (one parameter per fragment: its own Nesterov momentum buffer) to ``θ_global,f`` and the
+    replica's fragment becomes ``α·θ_local,f + (1−α)·θ_global,f`` (τ = 0: ``θ_global,f``, as
+    DiLoCo). With F = 1, τ = 0 and fp32 this is DiLoCo exactly.
+
+    Attributes (beyond :class:`OuterSync`'s):
+        inner_done: inner steps since the start (the schedule's clock; not reset by a sync).
+        outer_steps: fragment outer steps applied.
+        spans: per fragment, its parameters (slice of ``params``) and elements (slice of
+            ``θ_global``).
+        pending: the started, not yet applied :class:`InFlight` all-reduces, oldest first.
+        wait_s: seconds spent waiting for (and decoding) outer collectives before applying them.
+
+    Raises:
+        ValueError: F > H, or a fragment layout :func:`block_fragments` refuses (τ < H is
+            checked by ``DataParallelConfig``).
+        RuntimeError: (a collective) the replicas' parameters differ.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], inner_optimizer: torch.optim.Optimizer,
+                 group: dist.ProcessGroup, cfg: DataParallelConfig, hook: CommHook | None = None):  # fmt: skip
+        names, params = [name for name, _ in named], [p for _, p in named]
+        h = cfg.resolved_inner_steps
+        fragments = max(1, cfg.resolved_fragments(count_blocks(names)))  # a model without blocks: one fragment
+        if fragments > h:
+            raise ValueError(
+                f"data_parallel.fragments={fragments} is more than data_parallel.inner_steps={h}: the fragments sync "
+                "at distinct steps of each period; lower fragments or raise inner_steps"
+            )
+        self.spans = fragment_spans(block_fragments(names, fragments), [p.numel() for p in params])
+        self.offsets = {f * h // fragments: f for f in range(fragments)}
+        self.overlap_steps, self.mixing_alpha, self.outer_grad_dtype = (
+            cfg.overlap_steps, cfg.mixing_alpha, cfg.outer_grad_dtype,
+        )  # fmt: skip
+        self.pending: list[InFlight] = []
+        super().__init__(params, inner_optimizer, group, "streaming_diloco", h, cfg.outer_lr, cfg.outer_momentum,
+                         cfg.outer_nesterov, hook)  # fmt: skip
+
+    def _build_outer_optimizer(self, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
+        """One outer SGD whose parameters are the fragments' views of ``θ_global``: stepping it
+        with only fragment f's gradient set updates only that view and its momentum buffer."""
+        self.views = [self.global_flat[elements] for _, elements in self.spans]
+        return torch.optim.SGD(self.views, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    def after_inner_step(self, force: bool = False) -> bool:
+        """Count one inner step; apply the outer steps due now (started τ steps ago); start the
+        sync of the fragment whose offset this step is (applied at once if τ = 0); with
+        ``force`` (the run's last step) take :meth:`outer_step` instead. Collectives. Returns
+        whether a fragment sync started (always, with ``force``)."""
+        self.inner_done += 1
+        self._land(lambda entry: entry.apply_at <= self.inner_done)
+        if force:
+            self.outer_step()
+            return True
+        fragment = self.offsets.get(self.inner_done % self.inner_steps)
+        if fragment is None:
+            return False
+        entry = self._start(fragment)
+        if self.overlap_steps == 0:
+            self._apply(entry, mix=False)
+        else:
+            self.pending.append(entry)
+        return True
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        """Apply every in-flight fragment sync, then sync every fragment at once and wait (a
+        full DiLoCo outer step, sent fragment by fragment): every replica then holds
+        ``θ_global``. A collective over :attr:`group`."""
+        self._land(lambda entry: True)
+        for fragment in range(len(self.spans)):
+            self._apply(self._start(fragment), mix=False)
+
+    def _land(self, due: Callable[[InFlight], bool]) -> None:
+        """Apply, oldest first, the pending syncs for which ``due`` is true, mixing (α)."""
+        for entry in [e for e in self.pending if due(e)]:
+            self.pending.remove(entry)
+            self._apply(entry, mix=True)
+
+    @torch.no_grad()
+    def _start(self, fragment: int) -> InFlight:
+        """Start the all-reduce of ``fragment``'s outer gradient ``θ_global,f − θ_local,f``.
+        Counts its bytes in :attr:`hook` (``dense_bytes``: the fp32 all-reduce's)."""
+        params, elements = self.spans[fragment]
+        delta = self.global_flat[elements] - flatten(self.params[params])
+        n = dist.get_world_size(self.group)
+        self.hook.dense_bytes += all_reduce_bytes(4 * delta.numel(), n)
+        apply_at = self.inner_done + self.overlap_steps
+        if self.outer_grad_dtype == "fp32":
+            self.hook.bytes_sent += all_reduce_bytes(4 * delta.numel(), n)
+            work = dist.all_reduce(delta, group=self.group, async_op=True)
+            return InFlight(fragment, apply_at, work, lambda: delta)
+        numels = [p.numel() for p in self.params[params]]
+        payload = encode_outer(delta, numels, self.outer_grad_dtype)
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+        parts = list(gathered.chunk(n))
+        self.hook.bytes_sent += all_gather_bytes(gathered.numel(), n)
+        work = dist.all_gather(parts, payload, group=self.group, async_op=True)
+        return InFlight(fragment, apply_at, work, lambda: sum_decoded(parts, numels, self.outer_grad_dtype))
+
+    @torch.no_grad()
+    def _apply(self, entry: InFlight, mix: bool) -> None:
+        """The outer SGD step on ``entry``'s fragment of ``θ_global`` with the mean outer
+        gradient; the replica's fragment then takes ``θ_global,f`` (``mix``: lerped with weight
+        α towards its own ``θ_local,f``)."""
+        synchronize(self.global_flat.device)
+        start = time.perf_counter()
+        total = entry.wait()
+        synchronize(self.global_flat.device)
+        self.wait_s += time.perf_counter() - start
+        params, _ = self.spans[entry.fragment]
+        view = self.views[entry.fragment]
+        view.grad = total.div_(dist.get_world_size(self.group))
+        self.outer_optimizer.step()
+        view.grad = None
+        target = torch.lerp(view, flatten(self.params[params]), self.mixing_alpha) if mix else view
+        write_flat(target, self.params[params])
+        self.outer_steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`OuterSync.state_dict` plus ``fragments`` (F) and ``pending``: each in-flight
+        all-reduce is completed first (a collective wait, so every rank must checkpoint at the
+        same step, as the trainer does) and saved as ``{"fragment", "apply_at", "total"}`` (the
+        summed fp32 outer gradient), still to be applied at its own step: a resume continues the
+        same run."""
+        pending = [{"fragment": e.fragment, "apply_at": e.apply_at, "total": e.wait().clone()} for e in self.pending]
+        return {**super().state_dict(), "fragments": len(self.spans), "pending": pending}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        if state.get("fragments") != len(self.spans):
+            raise ValueError(
+                f"the checkpoint's streaming DiLoCo state has {state.get('fragments')} fragments, this run "
+                f"{len(self.spans)}: resume with data_parallel.fragments={state.get('fragments')}"
+            )
+        super()._restore(state)
+        device = self.global_flat.device
+        self.pending = [InFlight(p["fragment"], p["apply_at"], None, None, p["total"].to(device).clone())
+                        for p in state["pending"]]  # fmt: skip
+
+
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                      group: dist.ProcessGroup, hook: CommHook) -> OuterSync | None:  # fmt: skip
-    """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``),
+    """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
+    :class:`StreamingOuterSync` for ``streaming_diloco``),
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
     synchronizer's, a :class:`LocalOnlyHook`). A collective."""
     if cfg.mode == "sync":
         return None
+    if cfg.mode == "streaming_diloco":
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        return StreamingOuterSync(named, inner_optimizer, group, cfg, hook)
     params = [p for p in model.parameters() if p.requires_grad]
     return OuterSync(params, inner_optimizer, group, cfg.mode, cfg.resolved_inner_steps, cfg.outer_lr,
                      cfg.outer_momentum, cfg.outer_nesterov, hook)  # fmt: skip
