@@ -1,0 +1,174 @@
+"""The planner's time model (src/loomtrain/planner/time.py) and its check against Megatron-LM's Table 1.
+
+Published numbers: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC 2021, arXiv:2104.04473), Table 1 and §5.1 (eq. 2 parameter count, eq. 3 FLOPs), held in
+src/loomtrain/planner/published.py with where they were read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loomtrain.models.flops import flops_per_step as model_flops_per_step
+from loomtrain.models.flops import flops_per_token
+from loomtrain.models.presets import preset_config
+from loomtrain.planner.arch import from_model_config, gpt
+from loomtrain.planner.memory import MIXED_ADAM, Layout
+from loomtrain.planner.published import MEGATRON_TABLE1, constant_predictor_errors, layout_of, mape
+from loomtrain.planner.time import (
+    DGX_A100,
+    TILE_M,
+    TILE_N,
+    flops_per_step,
+    gemm_seconds,
+    layer_gemms,
+    layer_seconds,
+    ring_all_reduce_seconds,
+    step_time,
+    tp_all_reduce_seconds,
+)
+
+GPT_18B = gpt(40, 6144, 48)
+
+
+def _layout(**fields) -> Layout:
+    base = dict(seq_len=2048, micro_batch=1, dp=4, tp=8, pp=4, n_micro=16, recompute="full", precision=MIXED_ADAM)
+    return Layout(**{**base, **fields})
+
+
+def test_wave_quantization_one_tile_past_a_full_wave_costs_a_second_wave():
+    """Catches: a GEMM priced by its useful FLOPs only (no partial-wave loss), or a wave count off by one:
+    one output tile more than the SMs hold must take twice the time of exactly one full wave."""
+    k, rows, cols = 8192, 27, 4  # 27 × 4 = 108 tiles: one full wave on the A100's 108 SMs
+    assert rows * cols == DGX_A100.sms
+    full = gemm_seconds(TILE_M * rows, k, TILE_N * cols, DGX_A100)
+    plus_one_row = gemm_seconds(TILE_M * rows + 1, k, TILE_N * cols, DGX_A100)
+    assert plus_one_row == pytest.approx(2 * full, rel=1e-9)
+    peak = DGX_A100.device.peak_flops_per_s * DGX_A100.gemm_efficiency
+    assert full == pytest.approx(2 * TILE_M * rows * k * TILE_N * cols / peak, rel=1e-9)
+
+
+def test_skinny_gemm_is_priced_by_its_memory_traffic():
+    """Catches: a memory-bound GEMM (one token against a large weight) priced at the math rate, which
+    would make small micro-batches look free."""
+    m, k, n = 1, 8192, 8192
+    expected = 2 * (m * k + k * n + m * n) / DGX_A100.device.memory_bytes_per_s
+    assert gemm_seconds(m, k, n, DGX_A100) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_gpt_layer_gemms_sum_to_the_papers_forward_flops(tp):
+    """Catches: a wrong GEMM shape in a block (a missing head split, the MLP width, QKV's 3h): the
+    forward FLOPs of one block over all tp ranks must be Narayanan et al. §5.1's 24bsh² + 4bs²h."""
+    layout = _layout(tp=tp, micro_batch=2)
+    b, s, h = 2, 2048, GPT_18B.hidden
+    flops = sum(2 * m * k * n * batch for m, k, n, batch in layer_gemms(GPT_18B, layout)) * tp
+    assert flops == pytest.approx(24 * b * s * h * h + 4 * b * s * s * h, rel=1e-12)
+
+
+def test_llama_flops_match_models_flops_py():
+    """Catches: the planner's Llama FLOPs drifting from the one definition in models/flops.py (GQA widths,
+    SwiGLU's three matrices, the head), which every MFU figure uses."""
+    cfg = preset_config("llama3-8b", vocab_size=128256)
+    arch = from_model_config(cfg)
+    layout = Layout(seq_len=8192, micro_batch=1, dp=2, n_micro=3, recompute="none")
+    tokens = 2 * 3 * 8192
+    assert flops_per_step(arch, layout) == pytest.approx(model_flops_per_step(cfg, 8192, tokens), rel=1e-12)
+    gemm_flops = sum(2 * m * k * n * batch for m, k, n, batch in layer_gemms(arch, layout))
+    head = 2 * cfg.dim * cfg.vocab_size
+    assert gemm_flops * cfg.n_layers + head * 8192 == pytest.approx(flops_per_token(cfg, 8192) / 3 * 8192)
+
+
+@pytest.mark.parametrize(("ranks", "factor"), [(2, 1.0), (4, 1.5), (8, 1.75)])
+def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_buffer(ranks, factor):
+    """Catches: an all-reduce priced at the algbw (the buffer once) or at 2× for every group size
+    instead of the ring's 2(n - 1)/n per rank."""
+    assert ring_all_reduce_seconds(1e9, ranks, 1e11, 0.0) == pytest.approx(factor * 1e9 / 1e11)
+    assert ring_all_reduce_seconds(1e9, 1, 1e11, 1.0) == 0.0
+
+
+@pytest.mark.parametrize(("recompute", "count"), [("none", 4), ("full", 6)])
+def test_tensor_parallel_all_reduces_per_block(recompute, count):
+    """Catches: the tp all-reduce count per block per micro-batch (Megatron: two in forward, two in
+    backward) wrong, or full recomputation not repeating the forward's two."""
+    layout = _layout(recompute=recompute)
+    st = step_time(GPT_18B, layout, DGX_A100)
+    blocks = GPT_18B.n_layers // layout.pp
+    assert st.tp_comm == pytest.approx(count * blocks * tp_all_reduce_seconds(GPT_18B, layout, DGX_A100))
+
+
+def test_pipeline_time_is_m_plus_p_minus_1_micro_batches_under_1f1b():
+    """Catches: the bubble dropped or counted twice: 1F1B takes (m + p - 1)(t_f + t_b) (Narayanan et al.
+    §2.2.1), and the interleaved schedule's bubble is smaller by its v."""
+    layout = _layout()
+    st = step_time(GPT_18B, layout, DGX_A100)
+    assert st.pipeline == pytest.approx((16 + 4 - 1) * (st.forward + st.backward))
+    assert st.bubble == pytest.approx(3 / 19)
+    interleaved = step_time(GPT_18B, _layout(schedule="interleaved_1f1b", virtual_stages=2), DGX_A100)
+    assert interleaved.bubble == pytest.approx(3 / (2 * 16 + 3))
+
+
+def test_tensor_parallelism_across_hosts_is_slower_than_inside_one():
+    """Catches: the link choice ignoring host boundaries: tp = 16 on 8-GPU hosts must ride InfiniBand,
+    so per-block all-reduces get slower than tp = 8 on NVLink though each rank moves less."""
+    inside = tp_all_reduce_seconds(GPT_18B, _layout(tp=8), DGX_A100)
+    across = tp_all_reduce_seconds(GPT_18B, _layout(tp=16), DGX_A100)
+    assert across > 5 * inside
+
+
+def test_data_parallel_all_reduce_hides_behind_the_last_backward_only():
+    """Catches: the gradient all-reduce either always exposed or always hidden: with ample bandwidth it
+    fits under the last micro-batch's backward (0 exposed); with little, all but that backward shows."""
+    layout = _layout(dp=64, pp=1, n_micro=4)
+    fast = step_time(GPT_18B, layout, replace(DGX_A100, inter_bytes_per_s=1e15))
+    assert fast.dp_exposed == 0.0
+    slow_cluster = replace(DGX_A100, inter_bytes_per_s=1e9)
+    slow = step_time(GPT_18B, layout, slow_cluster)
+    params_bytes = 2 * (GPT_18B.param_count() / 8)
+    all_reduce = 2 * 63 / 64 * params_bytes / (1e9 * DGX_A100.link_efficiency)
+    assert slow.dp_exposed == pytest.approx(all_reduce - slow.backward, rel=0.01)
+
+
+def test_more_micro_batches_shrink_the_bubble_and_raise_throughput():
+    """Catches: a sign error in the bubble term: at fixed micro-batch size, more micro-batches per step
+    must lower the idle share and raise the predicted TFLOP/s per GPU."""
+    shares = [step_time(GPT_18B, _layout(n_micro=m), DGX_A100) for m in (4, 16, 64)]
+    assert shares[0].bubble > shares[1].bubble > shares[2].bubble
+    per_step = [st.pipeline / m for st, m in zip(shares, (4, 16, 64), strict=True)]
+    assert per_step[0] > per_step[1] > per_step[2]
+
+
+def test_unmodelled_layouts_are_refused_by_name():
+    """Catches: Ulysses sp or ZeRO-3 priced silently as if absent (their collectives are not modelled)."""
+    with pytest.raises(ValueError, match="Layout.sp"):
+        step_time(GPT_18B, _layout(sp=2), DGX_A100)
+    with pytest.raises(ValueError, match="Layout.zero_stage"):
+        step_time(GPT_18B, _layout(zero_stage=3), DGX_A100)
+
+
+@pytest.mark.parametrize("run", MEGATRON_TABLE1, ids=lambda r: f"{r.params_b}B")
+def test_table1_rows_are_consistent_with_the_papers_parameter_formula(run):
+    """Catches: a mistyped Table 1 row (layers, hidden size): eq. 2 of the paper,
+    12lh²(1 + 13/(12h) + (V + s)/(12lh)), must give the row's parameter count to its printed 0.1 B."""
+    arch = gpt(run.layers, run.hidden, run.heads)
+    assert arch.param_count() / 1e9 == pytest.approx(run.params_b, abs=0.06)
+    assert run.gpus % (run.tp * run.pp) == 0 and layout_of(run).n_micro * layout_of(run).dp == run.batch
+
+
+def test_constant_predictor_is_the_mean_of_the_published_values():
+    """Catches: a baseline that is not the best constant for the table (or one computed from the
+    predictions): its error must be that of the mean of the published TFLOP/s, ~6 % on Table 1."""
+    mean = sum(run.tflops for run in MEGATRON_TABLE1) / len(MEGATRON_TABLE1)
+    expected = 100 * sum(abs(mean - r.tflops) / r.tflops for r in MEGATRON_TABLE1) / len(MEGATRON_TABLE1)
+    assert mape(constant_predictor_errors()) == pytest.approx(expected)
+
+
+def test_full_recomputation_adds_exactly_one_forward_to_the_backward():
+    """Catches: recomputation priced as its GEMMs only (dropping the repeated all-reduces and elementwise
+    kernels) or not at all: a block's backward under full recomputation is its backward without it
+    plus its whole forward (Narayanan et al. §5.1)."""
+    forward, plain, _ = layer_seconds(GPT_18B, _layout(recompute="none"), DGX_A100)
+    _, recomputed, _ = layer_seconds(GPT_18B, _layout(recompute="full"), DGX_A100)
+    assert recomputed == pytest.approx(plain + forward, rel=1e-12)
