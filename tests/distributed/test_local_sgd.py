@@ -411,9 +411,9 @@ def test_streaming_sync_sends_one_fragment_and_bf16_halves_it():
 
 def test_streaming_overlapped_sync_lands_tau_steps_later_on_every_replica():
     """Catches: an overlapped all-reduce applied at once (or never), θ_global differing across
-    replicas after a quantized sum (ranks summing in their own order), and a mix that leaves
-    the replicas' fragment equal (α ignored): at τ = 1 fragment 1's outer step lands at step
-    3, fragment 0's at 5, both at the forced step 7."""
+    replicas after a quantized sum (a rank adding its own unquantized outer gradient instead of
+    its decoded payload), and a mix that leaves the replicas' fragment equal (α ignored): at τ =
+    1 fragment 1's outer step lands at step 3, fragment 0's at 5, both at the forced step 7."""
     for name in ("overlap_bf16", "overlap_int8"):
         rec = check_result(streaming_results(), name)
         assert rec["moved"] == [[False, False], [False, False], [False, True], [False, False], [True, False],
