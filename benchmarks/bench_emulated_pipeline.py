@@ -39,6 +39,7 @@ from loomtrain.config import ModelConfig
 from loomtrain.distributed.pipeline.emulated import device, measure_step
 from loomtrain.distributed.pipeline.p2p import PipelineComm
 from loomtrain.distributed.spawn import spawn
+from loomtrain.emulated_run import HOST_BOUND_MARGIN
 from loomtrain.report import plot_gantt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,8 +49,6 @@ IMAGES = ROOT / "docs" / "img"
 MODEL = ModelConfig(dim=16384, n_heads=128, n_kv_heads=8, ffn_hidden_dim=53248, n_layers=128, vocab_size=128000,
                     max_seq_len=8192)  # fmt: skip
 SEQ_LEN, MICRO_BATCH, WORLD = 16, 1, 8
-# A step this much above the replay: the host did not keep up (emulated_run.HOST_BOUND_MARGIN).
-HOST_BOUND_MARGIN = 0.05
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 CHART_M = 16  # the pp 8 comparison drawn as Gantt charts
 

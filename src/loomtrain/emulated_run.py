@@ -23,7 +23,7 @@ from loomtrain.config import Config
 from loomtrain.data import DistributedBatchLoader, build_data, resolve_vocab
 from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
 from loomtrain.distributed.pipeline.emulated import device as emulated_device
-from loomtrain.distributed.pipeline.emulated import replayed_timeline
+from loomtrain.distributed.pipeline.emulated import replayed_step_s as replay
 from loomtrain.distributed.pipeline.split import partition_layers
 from loomtrain.distributed.process_group import init_distributed
 from loomtrain.hardware import Peak
@@ -65,15 +65,8 @@ def replayed_step_s(cfg: Config, pm) -> float:
     p, t = cfg.parallel, cfg.training
     plan = partition_layers(cfg.model.n_layers, p.n_stages, p.stage_boundaries)
     layers = {s: [str(i) for i in plan[s]] for s in range(p.n_stages)}
-    timeline = replayed_timeline(cfg.model, layers, pm.pipeline.all_actions, pm.dims.pp, p.virtual_stages,
-                                 t.seq_len, t.micro_batch_size, emulated_device(cfg.simulate.device))  # fmt: skip
-    return max(end for lane in timeline for _, _, end in lane)
-
-
-def device_step_s(pm) -> float:
-    """The last step's span on the emulated devices, seconds (first action start to last end)."""
-    spans = [t for lane in pm.pipeline.last_record.intervals for span in lane for t in span]
-    return max(spans) - min(spans)
+    return replay(cfg.model, layers, pm.pipeline.all_actions, pm.dims.pp, p.virtual_stages, t.seq_len,
+                  t.micro_batch_size, emulated_device(cfg.simulate.device))  # fmt: skip
 
 
 def _host_check(cfg: Config, pm, steps: list[float], writer) -> dict[str, float]:
@@ -117,7 +110,7 @@ def run_emulated(cfg: Config) -> dict:
         set_lr(optimizer, lr_at(step - 1, t))
         with metrics.timed_step():
             loss = train_step(pm, optimizer, loader.next_step(), cfg, cpu)
-        steps.append(device_step_s(pm))
+        steps.append(pm.pipeline.last_record.step_s)  # on the emulated devices' clocks
         if step % t.log_interval == 0 or step in (1, t.steps):
             record = metrics.step_record(mean_over_ranks(loss, cpu), lr_at(step - 1, t))
             metrics.writer.log(step, {**record, "emulated_device": marker["device"]})

@@ -361,13 +361,13 @@ def emulated_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _Loss.apply(out)
 
 
-def replayed_timeline(cfg: ModelConfig, stage_layers: dict[int, list[str]], schedule: Sequence[Sequence],
-                      pp: int, v: int, seq_len: int, micro_batch: int, dev: Device,
-                      with_head: bool = True) -> list[list[tuple]]:  # fmt: skip
-    """What a host that keeps up would record: ``schedule`` (every rank's actions) replayed by
-    ``schedule.simulate`` with each stage's :func:`stage_times` (zero communication time).
-    ``stage_layers``: ``{stage: [layer keys]}`` of every stage. Returns per rank ``(action, start,
-    end)`` in seconds; the step time is the latest end."""
+def replayed_step_s(cfg: ModelConfig, stage_layers: dict[int, list[str]], schedule: Sequence[Sequence],
+                    pp: int, v: int, seq_len: int, micro_batch: int, dev: Device,
+                    with_head: bool = True) -> float:  # fmt: skip
+    """The step time, seconds, a host that keeps up would record: ``schedule`` (every rank's
+    actions) replayed by ``schedule.simulate`` with each stage's :func:`stage_times` (zero
+    communication time) until its last action ends. ``stage_layers``: ``{stage: [layer keys]}``
+    of every stage."""
     n_stages = pp * v
     split = any(a.kind == "W" for actions in schedule for a in actions)
     durations: dict[tuple[str, int], float] = {}
@@ -375,7 +375,8 @@ def replayed_timeline(cfg: ModelConfig, stage_layers: dict[int, list[str]], sche
         t = stage_times(cfg, len(layers), with_head and stage == n_stages - 1, seq_len, micro_batch, dev)
         durations |= {("F", stage): t.forward, ("B", stage): t.input_grad if split else t.backward,
                       ("W", stage): t.weight_grad}  # fmt: skip
-    return simulate([list(a) for a in schedule], pp, v, stage_times=durations)
+    timeline = simulate([list(a) for a in schedule], pp, v, stage_times=durations)
+    return max(end for lane in timeline for _, _, end in lane)
 
 
 def even_stage_layers(n_layers: int, n_stages: int) -> dict[int, list[str]]:
@@ -392,7 +393,7 @@ def measure_step(comm: PipelineComm, cfg: ModelConfig, schedule: str, n_micro: i
 
     Returns (equal on every rank): ``bubble`` (measured by the executor: mean over ranks of idle /
     step), ``theory`` (``schedule.theoretical_bubble`` with the model's action times), ``step_s``
-    (the step on the device clocks), ``replayed_s`` (:func:`replayed_timeline`'s step) and
+    (the step on the device clocks), ``replayed_s`` (:func:`replayed_step_s`) and
     ``wall_s`` (this rank's wall-clock seconds in ``train_step``, the closing exchange included)
     and, with ``timeline``, ``timeline``: the executor's ``timeline.json`` document of the step.
     """
@@ -401,7 +402,7 @@ def measure_step(comm: PipelineComm, cfg: ModelConfig, schedule: str, n_micro: i
     mine = {s: every[s] for s in rank_stages(comm.pp_rank, pp, v)}
     model = EmulatedStages(cfg, mine, pp * v, seq_len, micro_batch, dev, with_head=False)
     executor = PipelineExecutor(model, mine, schedule, n_micro, pp, v, comm, clock=model.clock)
-    replay = replayed_timeline(cfg, every, executor.all_actions, pp, v, seq_len, micro_batch, dev, with_head=False)
+    replayed = replayed_step_s(cfg, every, executor.all_actions, pp, v, seq_len, micro_batch, dev, with_head=False)
     t = next(iter(model.times.values()))
     theory = theoretical_bubble(schedule, pp, n_micro, v, forward_time=t.forward, backward_time=t.backward,
                                 weight_time=t.weight_grad)  # fmt: skip
@@ -413,7 +414,6 @@ def measure_step(comm: PipelineComm, cfg: ModelConfig, schedule: str, n_micro: i
     executor.train_step([(tokens, tokens)] * n_micro, emulated_loss)
     wall = time.perf_counter() - started
     record = executor.last_record
-    spans = [t for lane in record.intervals for span in lane for t in span]
-    out = {"bubble": record.bubble_fraction, "theory": theory, "step_s": max(spans) - min(spans),
-           "replayed_s": max(end for lane in replay for _, _, end in lane), "wall_s": wall}  # fmt: skip
+    out = {"bubble": record.bubble_fraction, "theory": theory, "step_s": record.step_s, "replayed_s": replayed,
+           "wall_s": wall}  # fmt: skip
     return out | {"timeline": executor.timeline(1)} if timeline else out

@@ -62,6 +62,12 @@ class StepRecord:
     intervals: list[list[tuple[float, float]]]
     bubble_fraction: float
 
+    @property
+    def step_s(self) -> float:
+        """Seconds from the step's first action start to its last action end, over all ranks."""
+        times = [t for lane in self.intervals for span in lane for t in span]
+        return max(times) - min(times)
+
 
 class WallClock:
     """Action times as the host sees them: ``time.time()`` seconds once the device's queued work is done.
