@@ -27,8 +27,7 @@ from loomtrain.distributed.pipeline.emulated import replayed_step_s as replay
 from loomtrain.distributed.pipeline.split import partition_layers
 from loomtrain.distributed.process_group import init_distributed
 from loomtrain.hardware import Peak
-from loomtrain.metrics import MetricsProcessor, Throughput, TrainingMetrics
-from loomtrain.models.flops import flops_per_token
+from loomtrain.metrics import TrainingMetrics
 from loomtrain.models.parallelize import parallelize_emulated
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.preflight import check_once
@@ -42,17 +41,6 @@ def emulated_marker(cfg: Config) -> dict[str, str]:
     dev = emulated_device(cfg.simulate.device)
     return {"device": dev.name, "source": dev.source,
             "note": "emulated: compute times from a cost model, not measured on this hardware"}  # fmt: skip
-
-
-def _metrics(cfg: Config, pm, cpu: torch.device) -> TrainingMetrics:
-    """Metrics credited against the emulated device's datasheet peak (MFU is the cost model's)."""
-    t, m, world = cfg.training, cfg.metrics, pm.dims.world_size
-    writer = MetricsProcessor(cfg.run_dir, t.steps, 0, is_main_process(), m.tensorboard, m.progress_bar,
-                              cfg.log.format)  # fmt: skip
-    dev = emulated_device(cfg.simulate.device)
-    peak = Peak(dev.peak_flops_per_s, "datasheet", note=f"emulated {dev.name}")
-    speed = Throughput(t.global_batch_size * t.seq_len // world, flops_per_token(cfg.model, t.seq_len), peak, world)
-    return TrainingMetrics(writer, pm, speed, cpu)
 
 
 # Measured device step time above the replay by more than this: the host did not keep up with the
@@ -103,7 +91,10 @@ def run_emulated(cfg: Config) -> dict:
     pm.sync.attach_optimizer(optimizer)
     loader = DistributedBatchLoader(data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, 0, 1,
                                     cfg.run.seed)  # fmt: skip
-    metrics = _metrics(cfg, pm, cpu)
+    dev = emulated_device(cfg.simulate.device)
+    # MFU against the emulated device's datasheet peak: the cost model's, as the marks say.
+    peak = Peak(dev.peak_flops_per_s, "datasheet", note=f"emulated {dev.name}")
+    metrics = TrainingMetrics.for_run(cfg, pm, cpu, 0, peak)
     metrics.writer.message(f"EMULATED {marker['device']} devices ({marker['source']}): {marker['note']}")
     steps = []
     for step in range(1, t.steps + 1):

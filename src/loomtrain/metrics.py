@@ -275,14 +275,16 @@ class TrainingMetrics:
         self.comm_logged = 0
 
     @classmethod
-    def for_run(cls, cfg: Config, pm: ParallelModel, device: torch.device, start_step: int) -> TrainingMetrics:
+    def for_run(cls, cfg: Config, pm: ParallelModel, device: torch.device, start_step: int,
+                peak: Peak | None = None) -> TrainingMetrics:  # fmt: skip
         """The metrics of a training run from ``start_step``: rank 0 writes them; the device peak
-        (:func:`agreed_peak`) is that of ``training.dtype``. Every device is credited an equal
-        share of the step's FLOPs, whatever the mix of dp, sp, tp and pp. A collective."""
+        is ``peak``, else (:func:`agreed_peak`, a collective) that of ``training.dtype``. Every
+        device is credited an equal share of the step's FLOPs, whatever the mix of dp, sp, tp and pp."""
         t, m, world = cfg.training, cfg.metrics, pm.dims.world_size
         writer = MetricsProcessor(cfg.run_dir, t.steps, start_step, is_main_process(), m.tensorboard, m.progress_bar,
                                   cfg.log.format)  # fmt: skip
-        peak = agreed_peak(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
+        if peak is None:
+            peak = agreed_peak(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
         speed = Throughput(t.global_batch_size * t.seq_len // world, flops_per_token(cfg.model, t.seq_len), peak, world)
         return cls(writer, pm, speed, device)
 

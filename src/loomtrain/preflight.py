@@ -77,12 +77,15 @@ def check_world(cfg: Config, world_size: int) -> None:
     """The parallel degrees and the batch layout fit ``world_size`` processes.
 
     Raises:
-        ConfigError: a world size below 1, degrees that do not divide it, or a global batch
-            not divisible by dp × micro-batch.
+        ConfigError: a world size below 1, degrees that do not divide it, a global batch not
+            divisible by dp × micro-batch, or an emulated device with dp > 1.
     """
     if world_size < 1:
         raise ConfigError(f"--nproc={world_size} must be at least 1")
     dp = ParallelDims.from_config(cfg.parallel, world_size).dp
+    if cfg.simulate.device is not None and dp > 1:
+        raise ConfigError(f"simulate.device={cfg.simulate.device!r} on {world_size} processes gives dp={dp}; "
+                          f"emulated runs are pipeline ranks only: set --nproc to {world_size // dp}")  # fmt: skip
     cfg.validate_batch(dp)
     cfg.validate_balance(dp)
     check_simulation(cfg, world_size)
@@ -138,15 +141,11 @@ def check_simulation(cfg: Config, world_size: int) -> None:
     """``simulate.rank_speed`` and ``simulate.speed_change`` fit ``world_size`` ranks and this machine.
 
     Raises:
-        ConfigError: an emulated device with dp > 1, a speed list of the wrong length, speeds that
-            cannot be packed onto this machine's cores, malformed or out-of-range speed changes, or no
+        ConfigError: a speed list of the wrong length, speeds that cannot be packed onto this
+            machine's cores, malformed or out-of-range speed changes, or no
             root / CPU controller.
     """
     sim = cfg.simulate
-    dp = ParallelDims.from_config(cfg.parallel, world_size).dp
-    if sim.device is not None and dp > 1:
-        raise ConfigError(f"simulate.device={sim.device!r} on {world_size} processes gives dp={dp}; emulated runs "
-                          f"are pipeline ranks only: set --nproc to {world_size // dp}")  # fmt: skip
     if not sim.rank_speed:
         if sim.speed_change:
             raise ConfigError("simulate.speed_change needs simulate.rank_speed (one speed per rank); set both")
