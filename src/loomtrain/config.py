@@ -7,6 +7,7 @@ written to disk.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -333,11 +334,15 @@ class TrainingConfig(_Section):
 # outer momentum to make up for drift, so its period is our choice of 8: short enough that
 # replicas at the learning rates of synchronous training stay close, long enough to cut the
 # bytes eightfold.
-DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500, "streaming_diloco": 100}
+DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500, "streaming_diloco": 100, "async": 500}
 # Streaming DiLoCo (Douillard et al. 2025, Fig. 6): "3 layers per fragment across all model scales".
 BLOCKS_PER_FRAGMENT = 3
 # data_parallel fields that only streaming_diloco reads.
 STREAMING_FIELDS = ("fragments", "overlap_steps", "mixing_alpha", "outer_grad_dtype")
+# data_parallel fields that only async reads.
+ASYNC_FIELDS = ("max_staleness", "staleness_policy")
+# Modes with an outer optimizer (outer_lr, outer_momentum, outer_nesterov).
+OUTER_OPTIMIZER_MODES = ("diloco", "streaming_diloco", "async")
 
 
 class DataParallelConfig(_Section):
@@ -391,14 +396,31 @@ class DataParallelConfig(_Section):
     loss_scale_growth_interval: int = Field(
         2000, ge=1, description="fp16 only: consecutive steps without overflow after which the loss scale doubles."
     )
-    mode: Literal["sync", "local_sgd", "diloco", "streaming_diloco"] = Field(
+    mode: Literal["sync", "local_sgd", "diloco", "streaming_diloco", "async"] = Field(
         "sync",
         description=(
             "`sync`: average gradients every step. `local_sgd`: each dp rank steps its own replica and the replicas"
             " are averaged every `inner_steps` steps. `diloco` (Douillard et al. 2023): the same, but the averaged"
             " parameter delta is applied by an outer SGD with Nesterov momentum. `streaming_diloco` (Douillard et"
             " al. 2025): DiLoCo on one fragment of the model at a time, overlapped with the next inner steps"
-            " (docs/async_data_parallel.md)."
+            " (docs/async_data_parallel.md). `async` (Liu et al. 2024): rank 0 holds the global model and the outer"
+            " SGD; every other rank trains `inner_steps` steps, sends its parameter delta and goes on with the newest"
+            " model, never waiting for another worker."
+        ),
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description=(
+            "async only: the largest staleness τ (outer updates applied since the worker received its model) of a"
+            " delta the server applies; a staler one is rejected."
+        ),
+    )
+    staleness_policy: Literal["scale", "reject"] = Field(
+        "scale",
+        description=(
+            "async only: `scale` applies a delta of staleness τ <= max_staleness with weight 1/(1+τ) (Zhang et al."
+            " 2016, staleness-aware async SGD); `reject` applies it unscaled. Both reject τ > max_staleness."
         ),
     )
     inner_steps: int | None = Field(
@@ -477,11 +499,17 @@ class DataParallelConfig(_Section):
     def _outer_settings_fit_mode(self) -> DataParallelConfig:
         # Compared with the defaults, not with what was set: a saved config.toml lists every field.
         outer = self._changed("outer_lr", "outer_momentum", "outer_nesterov")
-        if self.mode not in ("diloco", "streaming_diloco") and outer:
+        if self.mode not in OUTER_OPTIMIZER_MODES and outer:
             raise ValueError(
                 f"data_parallel.{', data_parallel.'.join(outer)} only appl{'ies' if len(outer) == 1 else 'y'} to "
-                "data_parallel.mode='diloco' or 'streaming_diloco' "
+                "data_parallel.mode='diloco', 'streaming_diloco' or 'async' "
                 f"(got mode={self.mode!r}); drop them or set the mode"
+            )
+        staleness = self._changed(*ASYNC_FIELDS)
+        if self.mode != "async" and staleness:
+            raise ValueError(
+                f"data_parallel.{', data_parallel.'.join(staleness)} only appl{'ies' if len(staleness) == 1 else 'y'}"
+                f" to data_parallel.mode='async' (got mode={self.mode!r}); drop them or set the mode"
             )
         streaming = self._changed(*STREAMING_FIELDS)
         if self.mode != "streaming_diloco" and streaming:
@@ -491,8 +519,8 @@ class DataParallelConfig(_Section):
             )
         if self.mode == "sync" and self.inner_steps is not None:
             raise ValueError(
-                "data_parallel.inner_steps only applies to data_parallel.mode='local_sgd', 'diloco' or "
-                "'streaming_diloco'; drop it or set the mode"
+                "data_parallel.inner_steps only applies to data_parallel.mode='local_sgd', 'diloco', "
+                "'streaming_diloco' or 'async'; drop it or set the mode"
             )
         return self
 
@@ -541,7 +569,9 @@ class ParallelConfig(_Section):
 
     ``tensor_parallel_degree``: Megatron tensor parallelism (heads and MLP columns split).
     ``tp_mode="sequence_parallel"`` adds Megatron sequence parallelism on the same ranks (norms
-    and residuals hold a slice of the sequence). ``sequence_parallel_degree``: DeepSpeed-Ulysses
+    and residuals hold a slice of the sequence); ``tp_mode="2d"`` arranges the ``q²`` ranks as a
+    ``q × q`` grid (Optimus: weights and activations split both ways, docs/tensor_parallel_2d.md).
+    ``sequence_parallel_degree``: DeepSpeed-Ulysses
     (each rank holds a slice of the sequence; attention runs head-split after an all-to-all).
     See docs/tensor_parallel.md.
 
@@ -575,11 +605,12 @@ class ParallelConfig(_Section):
         ge=1,
         description="DeepSpeed-Ulysses ranks: each holds a slice of the sequence; attention runs split by heads.",
     )
-    tp_mode: Literal["tensor_parallel", "sequence_parallel"] = Field(
+    tp_mode: Literal["tensor_parallel", "sequence_parallel", "2d"] = Field(
         "tensor_parallel",
         description=(
             "`sequence_parallel` adds Megatron sequence parallelism (norms and residuals split along the "
-            "sequence) on the tensor-parallel ranks."
+            "sequence) on the tensor-parallel ranks; `2d` is 2D tensor parallelism (Optimus/SUMMA) on a q × q "
+            "grid of the tensor_parallel_degree = q² ranks (docs/tensor_parallel_2d.md)."
         ),
     )
     pipeline_parallel_degree: int = Field(
@@ -938,6 +969,11 @@ class Config(_Section):
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (each dp rank must be "
                     f"one whole, uncompressed replica); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
+        if mode == "async" and self.simulate.speed_change:
+            raise ValueError(
+                "data_parallel.mode='async' with simulate.speed_change is not supported (the workers run no common "
+                "step to change speed at); use simulate.rank_speed alone, or another mode"
+            )
         return self
 
     @model_validator(mode="after")
@@ -1007,6 +1043,9 @@ class Config(_Section):
         """Shapes that tensor and sequence parallelism must divide (vocabulary and MLP width
         may split unevenly; heads and sequence positions may not)."""
         tp, sp, m = self.parallel.tensor_parallel_degree, self.parallel.sequence_parallel_degree, self.model
+        if self.parallel.tp_mode == "2d":
+            self._check_grid()
+            tp = math.isqrt(tp)  # heads split over the grid's q columns
         for field, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads)):
             if value % tp:
                 raise ValueError(
@@ -1046,6 +1085,23 @@ class Config(_Section):
                 f"{_seq_split_name(self.parallel)}={split}; each rank holds an equal slice of the sequence"
             )
         return self
+
+    def _check_grid(self) -> None:
+        """2D tensor parallelism's shapes (a square degree; dim, heads, kv heads, SwiGLU width
+        and micro-batch divisible by q) and the layouts it does not join yet."""
+        from loomtrain.distributed.tensor_parallel_2d import check_2d_shapes
+
+        p, m = self.parallel, self.model
+        check_2d_shapes(p.tensor_parallel_degree, dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.kv_heads,
+                        ffn_hidden_dim=m.hidden_dim, micro_batch_size=self.training.micro_batch_size)  # fmt: skip
+        # Each needs work the grid does not do yet (ZeRO's shard layout of 2D blocks, an uneven
+        # micro-batch per rank, the local modes' parameter averaging).
+        for name, value, allowed in (("data_parallel.zero_stage", self.data_parallel.zero_stage, 0),
+                                     ("data_parallel.mode", self.data_parallel.mode, "sync"),
+                                     ("balance.data", self.balance.data, False)):  # fmt: skip
+            if value != allowed:
+                raise ValueError(f"parallel.tp_mode='2d' with {name}={value!r} is not supported yet; set "
+                                 f"{name}={allowed!r} or use tp_mode='tensor_parallel'")  # fmt: skip
 
     @model_validator(mode="after")
     def _balance_fits(self) -> Config:
@@ -1120,9 +1176,13 @@ class Config(_Section):
         Raises:
             ConfigError: global batch not divisible by dp × micro-batch; an interleaved pipeline
                 schedule whose micro-batches per step are not a multiple of the pipeline degree;
-                ``zb_h1`` with fewer micro-batches per step than the pipeline degree.
+                ``zb_h1`` with fewer micro-batches per step than the pipeline degree; for
+                ``data_parallel.mode='async'``, what :meth:`_validate_async_world` refuses.
         """
         t = self.training
+        if self.data_parallel.mode == "async":
+            self._validate_async_world(dp)
+            return
         per_step = dp * t.micro_batch_size
         if t.global_batch_size % per_step:
             raise ConfigError(
@@ -1141,6 +1201,28 @@ class Config(_Section):
                 f"parallel.pipeline_schedule='interleaved_1f1b' needs the micro-batches per step ({m} = "
                 f"training.global_batch_size / (dp {dp} × training.micro_batch_size)) to be a multiple of "
                 f"parallel.pipeline_parallel_degree={p.pipeline_parallel_degree}; change the batch sizes"
+            )
+
+    def _validate_async_world(self, world: int) -> None:
+        """``data_parallel.mode='async'`` on ``world`` ranks: one server and ``world − 1`` workers
+        that split the global batch.
+
+        Raises:
+            ConfigError: fewer than 2 ranks, or a global batch the workers cannot split into
+                whole micro-batches.
+        """
+        t = self.training
+        if world < 2:
+            raise ConfigError(
+                f"data_parallel.mode='async' needs at least 2 processes (rank 0 is the server holding the global "
+                f"model, the others are workers); got {world}: set --nproc to 2 or more, or use mode='diloco'"
+            )
+        per_step = (world - 1) * t.micro_batch_size
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={t.global_batch_size} is not divisible by the {world - 1} async workers "
+                f"(world {world} minus the server) × training.micro_batch_size={t.micro_batch_size} (= {per_step}); "
+                "change one of them"
             )
 
     def validate_balance(self, dp: int) -> None:

@@ -345,13 +345,15 @@ class TrainingMetrics:
 
     def comm_bytes_per_step(self) -> dict[str, float]:
         """Bytes a rank sent per training step, mean over ranks, per mesh axis: ``dp`` (gradient
-        reduction over the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations),
+        reduction over the dp × sp ranks, through the comm hook), ``tp`` and ``sp`` (activations;
+        under 2D tensor parallelism ``tp_row`` and ``tp_col``, along grid columns and grid rows),
         ``pp`` (activations and their gradients between stages; the first and last pipeline
         ranks send one kind each, the others both). Evaluation forwards are not counted. A
         collective: every rank calls it."""
         dims = self.pm.dims
         steps = max(1, self.speed.total[0])
-        axes = [GRADIENT_AXIS] + [str(a) for a in (Axis.PP, Axis.SP, Axis.TP) if dims.degree(a) > 1]
+        tp_axes = (Axis.TP_ROW, Axis.TP_COL) if dims.tp_2d else (Axis.TP,)
+        axes = [GRADIENT_AXIS] + [str(a) for a in (Axis.PP, Axis.SP, *tp_axes) if dims.degree(a) > 1]
         if self.pm.sync.hook.counts_inter_host:  # the same hook kind on every rank, so the same axes
             axes.append(INTER_HOST_AXIS)  # part of dp: what of it crossed hosts
         sent = [float(self.train_traffic.get(axis, 0)) for axis in axes]

@@ -29,6 +29,7 @@ Q, WORLD = 2, 4
 B, S, IN, OUT = 4, 8, 12, 6
 TOL_FP64, TOL_FP32 = 1e-10, 1e-5
 CFG = ModelConfig(n_layers=2, n_heads=4, n_kv_heads=2, dim=16, ffn_hidden_dim=24, max_seq_len=16, vocab_size=65)
+TIED = CFG.model_copy(update={"tie_embeddings": True})
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -37,9 +38,11 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.detach() - want.detach()).abs().max())
 
 
-def _models(dtype: torch.dtype, grid: Grid2D, traffic: Traffic | None = None) -> tuple[Transformer, Transformer2D]:
+def _models(
+    dtype: torch.dtype, grid: Grid2D, traffic: Traffic | None = None, cfg: ModelConfig = CFG
+) -> tuple[Transformer, Transformer2D]:
     torch.manual_seed(0)
-    ref = Transformer(CFG).to(dtype)
+    ref = Transformer(cfg).to(dtype)
     return ref, parallelize_2d(copy.deepcopy(ref), grid, traffic)
 
 
@@ -93,9 +96,9 @@ def check_submodule(grid: Grid2D, path: str, with_rope: bool) -> dict:
     return {"diffs": diffs | _param_diffs(ref_mod, par, f"{path}."), "traffic": traffic.snapshot()}
 
 
-def check_model(grid: Grid2D, dtype: torch.dtype) -> dict:
+def check_model(grid: Grid2D, dtype: torch.dtype, cfg: ModelConfig = CFG) -> dict:
     """Loss, logits and every parameter gradient of the whole model."""
-    ref, par = _models(dtype, grid)
+    ref, par = _models(dtype, grid, cfg=cfg)
     tokens = torch.randint(0, CFG.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(4))
     inputs, target = tokens[:, :-1], tokens[:, 1:]
     logits = ref(inputs)
@@ -121,7 +124,8 @@ def check_indivisible_batch(grid: Grid2D) -> str:
 def check_mesh_grid(grid: Grid2D) -> tuple:
     mesh = DeviceMesh("cpu", torch.arange(WORLD).view(Q, Q), mesh_dim_names=("tp_row", "tp_col"))
     g = Grid2D.from_mesh(mesh, "tp_row", "tp_col")
-    return (g.row, g.col, g.row_ranks, g.col_ranks), (grid.row, grid.col, grid.row_ranks, grid.col_ranks)
+    return (g.row, g.col, g.row_ranks, g.col_ranks, g.transpose_rank), (
+        grid.row, grid.col, grid.row_ranks, grid.col_ranks, grid.transpose_rank)  # fmt: skip
 
 
 def run_all() -> dict:
@@ -135,6 +139,7 @@ def run_all() -> dict:
             "block": lambda: check_submodule(grid, "layers.0", with_rope=True),
             "model fp64": lambda: check_model(grid, torch.float64),
             "model fp32": lambda: check_model(grid, torch.float32),
+            "model tied fp64": lambda: check_model(grid, torch.float64, TIED),
             "indivisible batch": lambda: check_indivisible_batch(grid),
             "mesh grid": lambda: check_mesh_grid(grid),
         }
@@ -190,11 +195,14 @@ def test_block_2d_counts_the_documented_bytes():
         assert check_result(_results(), "block", rank)["traffic"] == want
 
 
-@pytest.mark.parametrize(("name", "tol"), [("model fp64", TOL_FP64), ("model fp32", TOL_FP32)])
+@pytest.mark.parametrize(("name", "tol"), [("model fp64", TOL_FP64), ("model fp32", TOL_FP32),
+                                           ("model tied fp64", TOL_FP64)])  # fmt: skip
 def test_whole_model_2d_equals_single_process(name, tol):
     """Catches: the padding vocabulary column predicted (loss would count exp(0) for it), the
     loss averaged over one grid row only or summed over rows, embedding rows of the wrong
-    vocabulary block, a batch scattered to the wrong grid row, and any gradient not flowing."""
+    vocabulary block, a batch scattered to the wrong grid row, and any gradient not flowing;
+    with tied embeddings, the head's block (j, i) looked up as if it were (i, j) (no exchange with
+    the transposed rank) or the tied weight's gradient missing one of its two uses."""
     _assert_within(name, tol)
 
 
@@ -206,7 +214,9 @@ def test_indivisible_micro_batch_is_refused():
 
 
 def test_grid_from_mesh_matches_grid_from_ranks():
-    """Catches: the mesh constructor swapping the row and column groups or coordinates."""
+    """Catches: the mesh constructor swapping the row and column groups or coordinates, or
+    either constructor naming a transposed rank other than the one at (j, i)."""
     for rank in range(WORLD):
         from_mesh, from_ranks = check_result(_results(), "mesh grid", rank)
         assert from_mesh == from_ranks
+        assert from_ranks[4] == (rank % Q) * Q + rank // Q

@@ -153,3 +153,48 @@ def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, two_wa
     assert summary["start_step"] == 5
     resumed = losses(tmp_path / "resumed")
     assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
+
+
+GRID = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"]
+
+
+@pytest.fixture(scope="module")
+def grid_dp2(tmp_path_factory):
+    """A dp 2 × 2D (2 × 2 grid) run on 8 processes: its summary and run directory (trained once)."""
+    out = tmp_path_factory.mktemp("grid")
+    return train(8, out, "dp2_grid", *GRID), out / "dp2_grid"
+
+
+def test_2d_grid_with_dp_and_with_pp_equals_single_process(tmp_path, reference, grid_dp2):
+    """Catches: a SUMMA block or its gradient on the wrong rank, the loss of one grid row only
+    (not averaged over the grid's rows), the 2D norm weights' gradient norm counted q times in
+    clipping (clipping is on; the norm would differ), gradients averaged over tp ranks instead
+    of dp, or a pipeline stage of the 2D model sending the wrong activation block: any of these
+    moves the losses of dp 2 × 2D or pp 2 × 2D away from the single process's."""
+    summary, run = grid_dp2
+    assert_close(losses(run), reference())
+    assert summary["comm_bytes_per_step_by_axis"]["tp_row"] > 0 and summary["comm_bytes_per_step_by_axis"]["tp_col"] > 0
+    train(8, tmp_path, "pp2_grid", *GRID, "--parallel.pipeline_parallel_degree=2")
+    assert_close(losses(tmp_path / "pp2_grid"), reference())
+
+
+@pytest.mark.parametrize(("world", "extra"), [(1, []), (2, ["--parallel.tensor_parallel_degree=2"])],
+                         ids=["to_one", "to_tp2_1d"])  # fmt: skip
+def test_2d_checkpoint_resumes_without_tp_and_with_1d_tp(tmp_path, reference, grid_dp2, world, extra):
+    """Catches: 2D blocks saved as if replicated (DCP would keep one rank's block), a padded
+    vocabulary saved with its padding rows (the full head would not fit the unpadded model),
+    the embedding's and the head's blocks transposed in the saved layout, or optimizer moments
+    that do not reshard: the resumed run would not continue the 2D run's losses."""
+    _, run = grid_dp2
+    summary = train(world, tmp_path, "resumed", *extra, f"--checkpoint.resume={run / 'checkpoints' / 'step_00000005'}")
+    assert summary["start_step"] == 5
+    resumed = losses(tmp_path / "resumed")
+    assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
+
+
+@pytest.mark.slow  # 8 processes; the grid's attention is local per rank, so Ulysses wraps it unchanged
+def test_2d_grid_with_ulysses_equals_single_process(tmp_path, reference):
+    """Catches: Ulysses' all-to-all given the grid's full head count instead of its H/q local
+    heads, or the 2D loss reading the whole sequence's targets on a rank that holds a slice."""
+    train(8, tmp_path, "sp2_grid", *GRID, "--parallel.sequence_parallel_degree=2", "--model.n_heads=4")
+    assert_close(losses(tmp_path / "sp2_grid"), reference("--model.n_heads=4"))

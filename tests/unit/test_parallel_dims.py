@@ -172,14 +172,18 @@ def test_world_not_divisible_by_pp_tp_sp_is_refused_naming_each_field(world, pp,
 # ---------------------------------------------------------------------------- degrees, layout, describe
 
 LAYOUTS = [
-    # (kwargs, degree of pp, dp_replicate, dp_shard, sp, tp, dp_sp, dp_shard_sp)
-    ({"dp": 8, "world_size": 8}, (1, 1, 8, 1, 1, 8, 8)),
-    ({"dp": 2, "pp": 2, "tp": 2, "world_size": 8}, (2, 1, 2, 1, 2, 2, 2)),
-    ({"dp": 2, "sp": 2, "tp": 2, "world_size": 8}, (1, 1, 2, 2, 2, 4, 4)),
-    ({"dp": 4, "dp_replicate": 2, "sp": 2, "world_size": 8}, (1, 2, 2, 2, 1, 8, 4)),
-    ({"dp": 4, "dp_replicate": 2, "pp": 2, "world_size": 8}, (2, 2, 2, 1, 1, 4, 2)),
-    ({"dp": 6, "dp_replicate": 3, "sp": 5, "tp": 7, "pp": 11, "world_size": 6 * 5 * 7 * 11}, (11, 3, 2, 5, 7, 30, 10)),
-    ({"dp": 4, "dp_replicate": 4, "world_size": 4}, (1, 4, 1, 1, 1, 4, 1)),
+    # (kwargs, degree of pp, dp_replicate, dp_shard, sp, tp, dp_sp, dp_shard_sp, tp_row, tp_col)
+    ({"dp": 8, "world_size": 8}, (1, 1, 8, 1, 1, 8, 8, 1, 1)),
+    ({"dp": 2, "pp": 2, "tp": 2, "world_size": 8}, (2, 1, 2, 1, 2, 2, 2, 1, 1)),
+    ({"dp": 2, "sp": 2, "tp": 2, "world_size": 8}, (1, 1, 2, 2, 2, 4, 4, 1, 1)),
+    ({"dp": 4, "dp_replicate": 2, "sp": 2, "world_size": 8}, (1, 2, 2, 2, 1, 8, 4, 1, 1)),
+    ({"dp": 4, "dp_replicate": 2, "pp": 2, "world_size": 8}, (2, 2, 2, 1, 1, 4, 2, 1, 1)),
+    (
+        {"dp": 6, "dp_replicate": 3, "sp": 5, "tp": 7, "pp": 11, "world_size": 6 * 5 * 7 * 11},
+        (11, 3, 2, 5, 7, 30, 10, 1, 1),
+    ),
+    ({"dp": 4, "dp_replicate": 4, "world_size": 4}, (1, 4, 1, 1, 1, 4, 1, 1, 1)),
+    ({"dp": 2, "tp": 9, "tp_2d": True, "world_size": 18}, (1, 1, 2, 1, 9, 2, 2, 3, 3)),
 ]
 
 
@@ -189,7 +193,17 @@ def test_degree_of_every_axis(kwargs, degrees):
     ``dp_replicate`` (gradients averaged within one replica group only) or ``dp_shard_sp``
     including it (ZeRO sharding across replica groups); a new Axis without a degree."""
     dims = ParallelDims(**kwargs)
-    order = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP, Axis.TP, Axis.DP_SP, Axis.DP_SHARD_SP)
+    order = (
+        Axis.PP,
+        Axis.DP_REPLICATE,
+        Axis.DP_SHARD,
+        Axis.SP,
+        Axis.TP,
+        Axis.DP_SP,
+        Axis.DP_SHARD_SP,
+        Axis.TP_ROW,
+        Axis.TP_COL,
+    )
     assert set(order) == set(Axis), "a new Axis needs a row in LAYOUTS"
     got = tuple(dims.degree(axis) for axis in order)
     assert got == degrees, dict(zip(map(str, order), got, strict=True))
@@ -202,7 +216,8 @@ def test_mesh_axes_are_outermost_first_in_the_documented_order():
     """Catches: a reordering of the mesh axes, which changes which global rank holds which
     coordinate (and so which ranks share a node) and breaks resuming every checkpoint."""
     assert MESH_AXES == (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP, Axis.TP)
-    assert [str(a) for a in Axis] == ["pp", "dp_replicate", "dp_shard", "sp", "tp", "dp_sp", "dp_shard_sp"]
+    assert [str(a) for a in Axis] == ["pp", "dp_replicate", "dp_shard", "sp", "tp", "dp_sp", "dp_shard_sp", "tp_row",
+                                      "tp_col"]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kwargs", "degrees"), LAYOUTS, ids=lambda v: str(v) if isinstance(v, tuple) else None)

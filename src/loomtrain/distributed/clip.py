@@ -36,6 +36,7 @@ def clip_grad_norm_(
     reduce_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    replicated_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so the global L2 norm of the full gradient is at most
     ``max_norm`` (``max_norm <= 0`` only measures); returns the norm before clipping (a
@@ -43,8 +44,11 @@ def clip_grad_norm_(
 
     This rank holds parts of the full gradient: ``sharded`` ones are split over ``tp_group``
     (tensor parallelism: their squares are summed over it), ``replicated`` ones are the same
-    on every tp rank (counted once). With ``reduce_group`` (ZeRO: each rank holds other rows
-    of every tensor) both sums of squares are first summed over that group. With ``pp_group``
+    on every tp rank (counted once) or, with ``replicated_group``, split over that group and
+    the same down the rest of tp (2D tensor parallelism's norm weights: split over a grid row,
+    replicated down a grid column; their squares are summed over the row). With
+    ``reduce_group`` (ZeRO: each rank holds other rows of every tensor) both sums of squares are
+    first summed over that group. With ``pp_group``
     (pipeline: each rank holds other layers) both are then summed over the pipeline ranks too.
     """
     grads = sharded + replicated
@@ -55,10 +59,11 @@ def clip_grad_norm_(
     for group in (reduce_group, pp_group):
         if group is not None:
             dist.all_reduce(squares, group=group)
-    if tp_group is not None:
-        shard_sum = squares[:1].clone()
-        dist.all_reduce(shard_sum, group=tp_group)
-        squares[0] = shard_sum[0]
+    for index, group in ((0, tp_group), (1, replicated_group)):
+        if group is not None:
+            part = squares[index : index + 1].clone()
+            dist.all_reduce(part, group=group)
+            squares[index] = part[0]
     norm = squares.sum().sqrt()
     if max_norm > 0:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))

@@ -53,6 +53,8 @@ class Axis(StrEnum):
     TP = "tp"
     DP_SP = "dp_sp"  # dp_replicate × dp_shard × sp: the ranks whose gradients are averaged
     DP_SHARD_SP = "dp_shard_sp"  # dp_shard × sp: the ranks ZeRO shards over
+    TP_ROW = "tp_row"  # 2D tensor parallelism: tp = tp_row × tp_col, the grid's row index (outer)
+    TP_COL = "tp_col"  # and its column index (inner: a grid row is q consecutive tp ranks)
 
 
 MESH_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.SP, Axis.TP)
@@ -124,7 +126,8 @@ class ParallelDims:
     sp, then dp_shard) inside a host when the launcher numbered the ranks otherwise. Every
     group of :data:`ORDERED_AXES` must list its ranks ascending: ``new_group`` sorts a group's
     ranks, so a group rank (what ``rank()`` and the collectives use) equals the mesh coordinate
-    (what DTensor uses) only then.
+    (what DTensor uses) only then. ``tp_2d``: the ``tp`` ranks form a ``q × q`` grid (2D tensor
+    parallelism; :attr:`grid_mesh`), whose two axes must ascend in place of ``tp``.
 
     Raises:
         ConfigError: a degree below 1, degrees that do not multiply to ``world_size``, a ``dp``
@@ -140,6 +143,7 @@ class ParallelDims:
     dp_replicate: int = 1
     device_type: str = "cpu"
     rank_order: tuple[int, ...] | None = None
+    tp_2d: bool = False
 
     def __post_init__(self) -> None:
         for name, value in (("data_parallel_degree", self.dp), ("tensor_parallel_degree", self.tp),
@@ -158,6 +162,8 @@ class ParallelDims:
                 f"parallel.data_parallel_replicate_degree={self.dp_replicate} does not divide the data-parallel "
                 f"degree {self.dp}; choose a divisor of it (1 shards over all dp ranks)"
             )
+        if self.tp_2d and math.isqrt(self.tp) ** 2 != self.tp:
+            raise ConfigError(f"parallel.tp_mode='2d' needs a square parallel.tensor_parallel_degree, got {self.tp}")
         if self.rank_order is not None:
             self._check_rank_order()
 
@@ -169,8 +175,8 @@ class ParallelDims:
                 f"rank_order={order} is not a permutation of the ranks 0..{self.world_size - 1} (each once); "
                 "pass topology.place_ranks(topology, dims), or None for the launcher's order"
             )
-        for axis in ORDERED_AXES:
-            for group in self.axis_groups(axis):
+        for axis in self._ordered_axes():
+            for group in self.grid_groups(axis) if axis in (Axis.TP_ROW, Axis.TP_COL) else self.axis_groups(axis):
                 if group != sorted(group):
                     raise ConfigError(
                         f"rank_order={order} puts the {axis} group {group} out of ascending order; torch numbers a "
@@ -178,6 +184,14 @@ class ParallelDims:
                         "mesh coordinates that DTensor uses; pass topology.place_ranks(topology, dims), which "
                         "keeps every group ascending, or None"
                     )
+
+    def _ordered_axes(self) -> tuple[Axis, ...]:
+        """The axes whose groups must ascend: :data:`ORDERED_AXES`; under 2D tensor parallelism
+        the two grid axes in place of tp (whose group only all-reduces gradient norms, and
+        whose order host-major placement may permute to keep grid rows inside hosts)."""
+        if not self.tp_2d:
+            return ORDERED_AXES
+        return (*(a for a in ORDERED_AXES if a != Axis.TP), Axis.TP_ROW, Axis.TP_COL)
 
     @classmethod
     def from_config(
@@ -202,7 +216,8 @@ class ParallelDims:
                 )
             dp = world_size // (pp * tp * sp)
         return cls(dp=dp, world_size=world_size, tp=tp, sp=sp, pp=pp, dp_replicate=cfg.data_parallel_replicate_degree,
-                   device_type=device_type, rank_order=None if rank_order is None else tuple(rank_order))  # fmt: skip
+                   device_type=device_type, rank_order=None if rank_order is None else tuple(rank_order),
+                   tp_2d=cfg.tp_mode == "2d")  # fmt: skip
 
     @property
     def dp_shard(self) -> int:
@@ -210,10 +225,11 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     def degree(self, axis: Axis) -> int:
-        """The number of ranks along ``axis`` (a mesh axis or a flattened one)."""
+        """The number of ranks along ``axis`` (a mesh axis, a flattened one or a grid axis)."""
         sizes = {Axis.PP: self.pp, Axis.DP_REPLICATE: self.dp_replicate, Axis.DP_SHARD: self.dp_shard,
                  Axis.SP: self.sp, Axis.TP: self.tp, Axis.DP_SP: self.dp * self.sp,
-                 Axis.DP_SHARD_SP: self.dp_shard * self.sp}  # fmt: skip
+                 Axis.DP_SHARD_SP: self.dp_shard * self.sp, Axis.TP_ROW: self.grid_side,
+                 Axis.TP_COL: self.grid_side}  # fmt: skip
         return sizes[axis]
 
     def layout(self) -> dict[str, int]:
@@ -221,11 +237,12 @@ class ParallelDims:
         return {"pp": self.pp, "dp": self.dp, "dp_replicate": self.dp_replicate, "sp": self.sp, "tp": self.tp}
 
     def describe(self) -> str:
-        """The degrees in one line, e.g. ``pp 1, dp 4 (2 replicas × 2), sp 1, tp 1``."""
+        """The degrees in one line, e.g. ``pp 1, dp 4 (2 replicas × 2), sp 1, tp 1`` or ``…, tp 4 (2×2 grid)``."""
         dp = f"dp {self.dp}"
         if self.dp_replicate > 1:
             dp += f" ({self.dp_replicate} replicas × {self.dp_shard})"
-        return f"pp {self.pp}, {dp}, sp {self.sp}, tp {self.tp}"
+        tp = f"tp {self.tp}" + (f" ({self.grid_side}×{self.grid_side} grid)" if self.tp_2d else "")
+        return f"pp {self.pp}, {dp}, sp {self.sp}, {tp}"
 
     def mesh_ranks(self) -> torch.Tensor:
         """The global rank at each mesh coordinate: an int64 tensor of shape ``[pp, dp_replicate,
@@ -251,7 +268,8 @@ class ParallelDims:
 
     def _mesh_of(self, axis: Axis) -> DeviceMesh:
         # A flattened axis exists only once its mesh has been built.
-        flattened = {Axis.DP_SP: "grad_mesh", Axis.DP_SHARD_SP: "shard_mesh"}
+        flattened = {Axis.DP_SP: "grad_mesh", Axis.DP_SHARD_SP: "shard_mesh", Axis.TP_ROW: "grid_mesh",
+                     Axis.TP_COL: "grid_mesh"}  # fmt: skip
         return getattr(self, flattened[axis]) if axis in flattened else self.mesh
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
@@ -261,6 +279,34 @@ class ParallelDims:
     def rank(self, axis: Axis) -> int:
         """This rank's coordinate along ``axis``."""
         return self._mesh_of(axis).get_local_rank(str(axis))
+
+    @property
+    def grid_side(self) -> int:
+        """``q`` of 2D tensor parallelism's ``q × q`` grid (``tp = q²``); 1 without it."""
+        return math.isqrt(self.tp) if self.tp_2d else 1
+
+    def grid_groups(self, axis: Axis) -> list[list[int]]:
+        """The rank groups along a grid axis (``TP_ROW``: the ``q`` ranks of a grid column,
+        whose row index varies; ``TP_COL``: the ``q`` consecutive tp ranks of a grid row), like
+        :meth:`axis_groups`, with no process group. A host-major ``rank_order`` that keeps tp
+        inside a host keeps each grid row inside one wherever ``q`` ranks fit in a host.
+
+        Raises:
+            ValueError: not 2D, or ``axis`` is not a grid axis.
+        """
+        if not self.tp_2d or axis not in (Axis.TP_ROW, Axis.TP_COL):
+            raise ValueError(f"grid_groups({axis!r}) needs tp_2d and Axis.TP_ROW or Axis.TP_COL")
+        q = self.grid_side
+        grids = self.axis_groups(Axis.TP)
+        return [g[i * q : (i + 1) * q] if axis == Axis.TP_COL else g[i::q] for g in grids for i in range(q)]
+
+    @cached_property
+    def grid_mesh(self) -> DeviceMesh:
+        """The mesh with ``tp`` unflattened into the named grid axes ``(tp_row, tp_col)`` of
+        size ``q`` each (2D tensor parallelism): the six axes ``pp, dp_replicate, dp_shard, sp,
+        tp_row, tp_col``. Collective on first use."""
+        q = self.grid_side
+        return self.mesh._unflatten(str(Axis.TP), (q, q), (str(Axis.TP_ROW), str(Axis.TP_COL)))
 
     @cached_property
     def grad_mesh(self) -> DeviceMesh:

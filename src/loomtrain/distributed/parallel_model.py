@@ -13,8 +13,8 @@ logits ``[B, S, V]`` or ``[B, S, V/tp]``); a pipelined one as ``model(x, start_p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from loomtrain.distributed.parallel_dims import Axis, ParallelDims, sharded_dten
 from loomtrain.distributed.pipeline.executor import PipelineExecutor
 from loomtrain.distributed.sync import GradientSync
 from loomtrain.distributed.tensor_parallel import vocab_parallel_cross_entropy
+from loomtrain.distributed.tensor_parallel_2d import BATCH_DIM, Grid2D, GridShard, cross_entropy_2d, grid_dtensor
 from loomtrain.distributed.traffic import Traffic
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -115,6 +116,10 @@ class ParallelModel:
                 total += self.loss(x.to(device), y.to(device)).item()
         return total / len(batches)
 
+    def _shard_names(self) -> Collection[str]:
+        """Names of the parameters split over tensor parallelism."""
+        return self.tp_shards
+
     def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
         dim, shape = self.tp_shards[name]
         return sharded_dtensor(local, self.dims.mesh[Axis.TP], [Shard(dim)], shape)
@@ -123,7 +128,7 @@ class ParallelModel:
         """Tensor-parallel shards held as plain tensors (ZeRO's masters are DTensors already,
         placed on dp and tp)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        return [name for name in self.tp_shards if name in params and not isinstance(params[name], DTensor)]
+        return [name for name in self._shard_names() if name in params and not isinstance(params[name], DTensor)]
 
     def wrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         """In place: the tensor-parallel shards in a model and an optimizer state dict (as
@@ -157,7 +162,7 @@ class ParallelModel:
         if self.dims.tp == 1 and self.dims.sp == 1 and self.dims.pp == 1:
             return self.model
         full = {
-            name: self._as_dtensor(name, p.detach()).full_tensor() if name in self.tp_shards else p.detach()
+            name: self._as_dtensor(name, p.detach()).full_tensor() if name in self._shard_names() else p.detach()
             for name, p in self.model.named_parameters(remove_duplicate=False)
         }
         device = next(self.model.parameters()).device
@@ -169,6 +174,38 @@ class ParallelModel:
         plain = self.build_plain().to(device)
         plain.load_state_dict(full)
         return plain
+
+
+@dataclass
+class GridParallelModel(ParallelModel):
+    """A :class:`ParallelModel` under 2D tensor parallelism (``parallel.tp_mode="2d"``): the
+    logits are blocks ``[B/q, S, V_pad/q]`` (this grid row's sequences, this grid column's
+    vocabulary) and the loss is :func:`cross_entropy_2d` over them; checkpoints and
+    :meth:`full_model` see every 2D shard as a DTensor of the unpadded full tensor on the grid
+    axes (:func:`grid_dtensor`), so they reshard to 1D or no tensor parallelism.
+
+    Attributes (besides the base class's; ``tp_shards`` is empty):
+        grid: this rank's place on the ``q × q`` grid.
+        grid_shards: ``{parameter name: (placements on (tp_row, tp_col), full shape)}``.
+        vocab_size: the real vocabulary (the padding columns are never predicted).
+    """
+
+    grid: Grid2D | None = None
+    grid_shards: dict[str, GridShard] = field(default_factory=dict)
+    vocab_size: int = 0
+
+    def logits_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) of the whole micro-batch: ``logits`` ``[B/q, S, V_pad/q]``,
+        ``target`` ``[B, S]`` (every rank the whole micro-batch; this grid row's part is used)."""
+        mine = self.grid.block(target, row_dim=BATCH_DIM, col_dim=None)
+        return cross_entropy_2d(logits.float(), mine, self.vocab_size, self.grid, self.traffic)
+
+    def _shard_names(self) -> Collection[str]:
+        return self.grid_shards
+
+    def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
+        placements, shape = self.grid_shards[name]
+        return grid_dtensor(local, self.dims.grid_mesh, placements, shape)
 
 
 def _is_shard(value) -> bool:

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from loomtrain.distributed.parallel_dims import sharded_dtensor
 from loomtrain.distributed.tensor_parallel import (
     _record,
     all_reduce_grad_hook,
@@ -53,6 +55,8 @@ from loomtrain.distributed.tensor_parallel import (
 from loomtrain.distributed.traffic import Traffic
 
 BATCH_DIM = 0
+# A 2D shard's layout: its placements on the grid mesh (tp_row, tp_col) and its full shape.
+GridShard = tuple[tuple[Placement, Placement], torch.Size]
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class Grid2D:
     ``col_ranks[k]`` the one at ``(k, j)``. A rank's rank in ``row_group`` is its column and in
     ``col_group`` its row (checked): reduce-scatters and the cross-entropy rely on it.
     ``row_axis`` and ``col_axis`` name the two directions in a traffic count.
+    ``transpose_rank``: the global rank at ``(j, i)``, which holds the transposed block (tied
+    embeddings exchange with it).
     """
 
     q: int
@@ -75,6 +81,7 @@ class Grid2D:
     col_ranks: tuple[int, ...]
     row_axis: str = "tp_row"
     col_axis: str = "tp_col"
+    transpose_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name, group, coord in (("row", self.row_group, self.col), ("column", self.col_group, self.row)):
@@ -105,7 +112,8 @@ class Grid2D:
         if me not in ranks:
             raise ValueError(f"rank {me} is not in the grid's ranks {ranks}; build a grid for each q² ranks")
         i, j = divmod(ranks.index(me), q)
-        return cls(q, i, j, groups[i], groups[q + j], tuple(rows[i]), tuple(cols[j]), row_axis, col_axis)
+        return cls(q, i, j, groups[i], groups[q + j], tuple(rows[i]), tuple(cols[j]), row_axis, col_axis,
+                   transpose_rank=ranks[j * q + i])  # fmt: skip
 
     @classmethod
     def from_mesh(cls, mesh, row_dim: str, col_dim: str) -> Grid2D:
@@ -121,9 +129,11 @@ class Grid2D:
         if q != q_col:
             raise ValueError(f"mesh dimensions {row_dim!r}={q} and {col_dim!r}={q_col} must have equal sizes (q × q)")
         row_group, col_group = mesh.get_group(col_dim), mesh.get_group(row_dim)
-        return cls(q, mesh.get_local_rank(row_dim), mesh.get_local_rank(col_dim), row_group, col_group,
+        i, j = mesh.get_local_rank(row_dim), mesh.get_local_rank(col_dim)
+        grid_ranks = mesh[(row_dim, col_dim)].mesh
+        return cls(q, i, j, row_group, col_group,
                    tuple(dist.get_process_group_ranks(row_group)), tuple(dist.get_process_group_ranks(col_group)),
-                   row_axis=col_dim, col_axis=row_dim)  # fmt: skip
+                   row_axis=col_dim, col_axis=row_dim, transpose_rank=int(grid_ranks[j, i]))  # fmt: skip
 
     def block(self, full: torch.Tensor, row_dim: int | None, col_dim: int | None) -> torch.Tensor:
         """This rank's block of ``full``, split evenly ``q`` ways along ``row_dim`` by the grid
@@ -158,7 +168,6 @@ def check_2d_shapes(
     n_kv_heads: int,
     ffn_hidden_dim: int,
     micro_batch_size: int | None = None,
-    tie_embeddings: bool = False,
 ) -> int:
     """Refuse a model and batch that 2D tensor parallelism over ``tp`` ranks cannot split evenly;
     pure (no process group), for the config's checks before launch.
@@ -166,9 +175,8 @@ def check_2d_shapes(
     ``tp`` must be ``q²``; ``dim`` (hidden size), ``n_heads``, ``n_kv_heads`` (whole heads per
     grid column, see the module docstring), ``ffn_hidden_dim`` (SwiGLU width, a SUMMA block
     dimension) and ``micro_batch_size`` (whole sequences per grid row; ``None``: not checked
-    here, the embedding checks each micro-batch) must be multiples of ``q``. Tied embeddings
-    are refused: the embedding's block ``(i, j)`` is the head's block ``(j, i)``, held by
-    another rank. The vocabulary needs no check (it is padded).
+    here, the embedding checks each micro-batch) must be multiples of ``q``. The vocabulary
+    needs no check (it is padded); tied embeddings are :class:`TiedEmbedding2D`.
 
     Returns:
         ``q``.
@@ -185,8 +193,6 @@ def check_2d_shapes(
               "model.ffn_hidden_dim": ffn_hidden_dim, "training.micro_batch_size": micro_batch_size}  # fmt: skip
     problems = [f"{name}={value} is not a multiple of q={q}" for name, value in fields.items()
                 if value is not None and value % q]  # fmt: skip
-    if tie_embeddings:
-        problems.append("model.tie_embeddings=true is not supported: set it to false")
     if problems:
         raise ValueError(
             f"2D tensor parallelism on a {q}×{q} grid (parallel.tensor_parallel_degree={tp}): "
@@ -303,7 +309,10 @@ class Linear2D(nn.Module):
 
     ``weight`` ``[out/q, in/q]`` is block ``(j, i)`` of the ``[out, in]`` ``nn.Linear`` weight
     (block ``(i, j)`` of ``W = weightᵀ``). Shapes: ``x`` ``[B/q, S, in/q]`` → ``[B/q, S, out/q]``.
+    ``PLACEMENTS``: the weight's layout on the grid mesh ``(tp_row, tp_col)``, for DTensor.
     """
+
+    PLACEMENTS: tuple[Placement, Placement] = (Shard(1), Shard(0))
 
     def __init__(self, weight: nn.Parameter, grid: Grid2D, traffic: Traffic | None = None):
         super().__init__()
@@ -362,6 +371,8 @@ class RMSNorm2D(nn.Module):
     Shapes: ``x`` ``[B/q, S, D/q]`` → same. Bytes per call on the row axis:
     ``2·(q−1)/q·(B/q)·S`` elements of the compute dtype in forward, the same in backward.
     """
+
+    PLACEMENTS: tuple[Placement, Placement] = (Replicate(), Shard(0))
 
     def __init__(self, weight: nn.Parameter, eps: float, grid: Grid2D, traffic: Traffic | None = None):
         super().__init__()
@@ -429,6 +440,8 @@ class Embedding2D(nn.Module):
         ValueError: ``B`` not divisible by ``q``.
     """
 
+    PLACEMENTS: tuple[Placement, Placement] = (Shard(0), Shard(1))
+
     def __init__(self, weight: nn.Parameter, grid: Grid2D, traffic: Traffic | None = None):
         super().__init__()
         self.weight, self.grid, self.traffic = weight, grid, traffic
@@ -450,15 +463,85 @@ class Embedding2D(nn.Module):
         return cls(weight, grid, traffic)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[BATCH_DIM] % self.grid.q:
-            raise ValueError(
-                f"micro-batch of {tokens.shape[BATCH_DIM]} sequences is not divisible by the grid side "
-                f"q={self.grid.q}; make training.micro_batch_size a multiple of q"
-            )
+        _check_batch(tokens, self.grid.q)
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_along(rows, BATCH_DIM, self.grid.col_group, self.traffic, self.grid.col_axis)
+
+
+class _Transpose(torch.autograd.Function):
+    """Swap a block with the rank at the transposed grid position, ``(i, j) ↔ (j, i)`` (diagonal
+    ranks keep theirs); backward swaps the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, grid, traffic):
+        ctx.grid, ctx.traffic = grid, traffic
+        return _swap(x, grid, traffic)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _swap(grad, ctx.grid, ctx.traffic), None, None
+
+
+def _swap(x: torch.Tensor, grid: Grid2D, traffic: Traffic | None) -> torch.Tensor:
+    if grid.transpose_rank is None:
+        raise ValueError("this grid has no transpose rank; build it with Grid2D.from_ranks or from_mesh")
+    if grid.transpose_rank == dist.get_rank():
+        return x
+    x, out = x.contiguous(), torch.empty_like(x)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, grid.transpose_rank),
+                                    dist.P2POp(dist.irecv, out, grid.transpose_rank)])  # fmt: skip
+    for work in works:
+        work.wait()
+    if traffic is not None:
+        # Neither along a row nor a column: counted with the row axis (the embedding's other traffic).
+        traffic.point_to_point(grid.row_axis, x.numel() * x.element_size())
+    return out
+
+
+class TiedEmbedding2D(nn.Module):
+    """The token embedding sharing the output head's 2D block (``model.tie_embeddings``): rank
+    ``(i, j)`` holds block ``(j, i)`` of the ``[V_pad, D]`` table (vocabulary block ``j``,
+    features block ``i``), the head's :class:`VocabHead2D` weight itself.
+
+    Rank ``(i, j)`` looks up every token in its vocabulary rows (zeros elsewhere), a
+    reduce-scatter along the grid row sums the vocabulary blocks and leaves it sequences block
+    ``j`` with features ``i``, and an exchange with the rank at ``(j, i)`` (which holds sequences
+    ``i``, features ``j``) gives the activation layout ``[B/q, S, D/q]`` of block ``(i, j)``.
+    The tied parameter's gradient sums both uses (one ``Parameter``).
+
+    Shapes: ``tokens`` ``LongTensor[B, S]`` (every rank the same) → ``[B/q, S, D/q]``. Bytes:
+    ``(q−1)/q·B·S·D/q`` elements on the row axis, plus ``B/q·S·D/q`` for the exchange (off the
+    diagonal), the same in backward.
+
+    Raises (in forward):
+        ValueError: ``B`` not divisible by ``q``.
+    """
+
+    PLACEMENTS: tuple[Placement, Placement] = Linear2D.PLACEMENTS
+    local_part = VocabHead2D.local_part
+
+    def __init__(self, weight: nn.Parameter, grid: Grid2D, traffic: Traffic | None = None):
+        super().__init__()
+        self.weight, self.grid, self.traffic = weight, grid, traffic
+        self.vocab_start = grid.col * weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _check_batch(tokens, self.grid.q)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        mine = reduce_scatter_along(rows, BATCH_DIM, self.grid.row_group, self.traffic, self.grid.row_axis)
+        return _Transpose.apply(mine, self.grid, self.traffic)
+
+
+def _check_batch(tokens: torch.Tensor, q: int) -> None:
+    if tokens.shape[BATCH_DIM] % q:
+        raise ValueError(
+            f"micro-batch of {tokens.shape[BATCH_DIM]} sequences is not divisible by the grid side "
+            f"q={q}; make training.micro_batch_size a multiple of q"
+        )
 
 
 def cross_entropy_2d(
@@ -483,3 +566,21 @@ def cross_entropy_2d(
     row_loss = vocab_parallel_cross_entropy(logits, target, grid.row_group, traffic, grid.row_axis)
     total = reduce_from_parallel(row_loss.reshape(1), grid.col_group, traffic, grid.col_axis)
     return total[0] / grid.q
+
+
+def grid_dtensor(local: torch.Tensor, mesh, placements: Sequence[Placement], shape: Sequence[int]) -> DTensor:
+    """A 2D shard (this rank's block, storage shared) as a DTensor of the unpadded full tensor of
+    ``shape`` on the grid ``mesh`` (two dimensions, ``(tp_row, tp_col)``, or a mesh ending in
+    them), for checkpoints that reshard to other layouts and for gathering a full model.
+
+    A vocabulary padded to ``V_pad = q·ceil(V/q)`` rows (:func:`padded_vocab`) holds
+    ``ceil(V/q)`` rows per block, which is DTensor's chunk layout of the ``V`` real rows: the
+    block keeps its leading real rows (all but the last blocks' padding).
+    """
+    dims = mesh.mesh_dim_names[-2:]
+    for mesh_dim, placement in zip(dims, placements, strict=True):
+        if isinstance(placement, Shard):
+            d, per_block = placement.dim, local.shape[placement.dim]
+            start = mesh.get_local_rank(mesh_dim) * per_block
+            local = local.narrow(d, 0, max(0, min(per_block, shape[d] - start)))
+    return sharded_dtensor(local, mesh[dims], placements, shape)

@@ -463,7 +463,8 @@ _FIX = {
 
 def place_ranks(topology: Topology, dims: ParallelDims) -> tuple[int, ...]:
     """A ``rank_order`` for ``dims`` (degrees only; its own ``rank_order`` is ignored): the ranks
-    host-major, so that tp, then sp, then dp_shard groups stay inside a host where they fit.
+    host-major, so that tp, then sp, then dp_shard groups stay inside a host where they fit
+    (with 2D tensor parallelism, at least each grid row where the whole grid does not fit).
 
     The mesh lays the order out row-major with tp innermost, then sp, dp_shard, dp_replicate,
     pp, so ``block = tp`` (``tp × sp``, ``tp × sp × dp_shard``) consecutive entries form one
@@ -481,6 +482,8 @@ def place_ranks(topology: Topology, dims: ParallelDims) -> tuple[int, ...]:
     _check_same_world(dims, topology)
     gcd = math.gcd(*(len(h) for h in topology.hosts))
     blocks = [math.prod(dims.degree(a) for a in KEEP_INSIDE_HOST[:k]) for k in range(len(KEEP_INSIDE_HOST), 0, -1)]
+    # 2D tensor parallelism: a grid row (q consecutive tp ranks) is the block of last resort.
+    blocks += [dims.grid_side] if dims.tp_2d else []
     for block in (b for b in blocks if gcd % b == 0):
         chunks = [h[i : i + block] for h in topology.hosts for i in range(0, len(h), block)]
         order = tuple(r for chunk in sorted(chunks) for r in chunk)
@@ -512,19 +515,32 @@ def placement_report(dims: ParallelDims, topology: Topology, sharded: bool = Tru
     """
     _check_same_world(dims, topology)
     lines, warnings = [], []
-    for axis in reversed(MESH_AXES):
+    for axis in _reported_axes(dims):
         degree = dims.degree(axis)
         if degree == 1:
             continue
         spans = _host_spans(dims, topology, axis)
+        name = f"{axis} {degree}" + (" (grid rows)" if axis == Axis.TP_COL else "")
         if max(spans) == 1:
-            lines.append(f"{axis} {degree}: inside one host")
+            lines.append(f"{name}: inside one host")
             continue
         per_group = str(max(spans)) if min(spans) == max(spans) else f"{min(spans)}-{max(spans)}"
-        lines.append(f"{axis} {degree}: crosses hosts ({per_group} hosts per group)")
-        if axis in KEEP_INSIDE_HOST and (sharded or axis != Axis.DP_SHARD):
+        lines.append(f"{name}: crosses hosts ({per_group} hosts per group)")
+        if axis == Axis.TP_COL:
+            warnings.append(f"warning: 2D grid rows cross hosts: q={degree} does not divide the ranks of every "
+                            "host, or they are not numbered host-major; each SUMMA step then broadcasts across "
+                            "hosts along rows too")  # fmt: skip
+        elif axis in KEEP_INSIDE_HOST and (sharded or axis != Axis.DP_SHARD):
             warnings.append(f"warning: {axis} {degree} crosses hosts: {_why_crossing(dims, topology, axis)}")
     return "\n".join(lines + warnings)
+
+
+GRID_AXES = (Axis.TP_COL, Axis.TP_ROW)
+
+
+def _reported_axes(dims: ParallelDims) -> list[Axis]:
+    """The mesh axes innermost first, led by the two grid axes under 2D tensor parallelism."""
+    return [*(GRID_AXES if dims.tp_2d else ()), *reversed(MESH_AXES)]
 
 
 def _why_crossing(dims: ParallelDims, topology: Topology, axis: Axis) -> str:
@@ -548,11 +564,13 @@ def _why_crossing(dims: ParallelDims, topology: Topology, axis: Axis) -> str:
 
 def _host_spans(dims: ParallelDims, topology: Topology, axis: Axis) -> list[int]:
     """How many hosts each group of ``axis`` spans."""
-    return [len({topology.host_of(r) for r in group}) for group in dims.axis_groups(axis)]
+    groups = dims.grid_groups(axis) if axis in GRID_AXES else dims.axis_groups(axis)
+    return [len({topology.host_of(r) for r in group}) for group in groups]
 
 
 def placement_summary(dims: ParallelDims, topology: Topology) -> dict[str, dict]:
-    """Per mesh axis of degree > 1: ``degree``, ``max_hosts_per_group`` and ``inside_one_host``;
+    """Per mesh axis of degree > 1 (and grid axis, under 2D tensor parallelism): ``degree``,
+    ``max_hosts_per_group`` and ``inside_one_host``;
     what ``<run>/placement.json`` records (with ``rank_order``).
 
     Raises:
@@ -560,10 +578,11 @@ def placement_summary(dims: ParallelDims, topology: Topology) -> dict[str, dict]
     """
     _check_same_world(dims, topology)
     out: dict[str, dict] = {}
-    for axis in reversed(MESH_AXES):
-        if dims.degree(axis) > 1:
+    for axis in _reported_axes(dims):
+        degree = dims.degree(axis)
+        if degree > 1:
             spans = _host_spans(dims, topology, axis)
-            out[str(axis)] = {"degree": dims.degree(axis), "max_hosts_per_group": max(spans),
+            out[str(axis)] = {"degree": degree, "max_hosts_per_group": max(spans),
                               "inside_one_host": max(spans) == 1}  # fmt: skip
     return out
 

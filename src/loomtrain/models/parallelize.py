@@ -10,6 +10,9 @@ Order (each step sees the module the previous one produced):
    shards layers it does not hold;
 2. tensor parallelism on the ``tp`` axis (Megatron column/row linears, vocab-parallel
    embedding and head), with Megatron sequence parallelism if ``tp_mode="sequence_parallel"``;
+   with ``tp_mode="2d"`` the tp ranks form a ``q × q`` grid and every layer is sharded both ways
+   (``models/tp2d.py``, on :attr:`ParallelDims.grid_mesh`), and the model is a
+   :class:`GridParallelModel` (2D loss, 2D checkpoint layout);
 3. Ulysses sequence parallelism on the ``sp`` axis (each attention core wrapped in all-to-alls);
 4. ``torch.compile`` of each block's forward (``training.compile``): after the layers that
    communicate are in place, so the compiled code is the code that runs; the forward only, not
@@ -42,7 +45,7 @@ from loomtrain.distributed.activation_checkpoint import apply_activation_checkpo
 from loomtrain.distributed.data_parallel import CommHook, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
-from loomtrain.distributed.parallel_model import ParallelModel
+from loomtrain.distributed.parallel_model import GridParallelModel, ParallelModel
 from loomtrain.distributed.pipeline.emulated import EmulatedStages, device, emulated_loss
 from loomtrain.distributed.pipeline.executor import PipelineExecutor
 from loomtrain.distributed.pipeline.p2p import PipelineComm
@@ -58,11 +61,13 @@ from loomtrain.distributed.tensor_parallel import (
     check_vocab_split,
     enter_parallel_region,
 )
+from loomtrain.distributed.tensor_parallel_2d import Grid2D, RMSNorm2D
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.distributed.zero_layout import TensorParallelLayout
 from loomtrain.hardware import synchronize
 from loomtrain.models.llama import CoreAttention, Transformer
+from loomtrain.models.tp2d import shard_2d
 
 
 def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook) -> ParallelModel:
@@ -80,6 +85,8 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
     hook.count_into(traffic)
     tp_shards: dict[str, tuple[int, torch.Size]] = {}
     stage_layers = split_pipeline(model, dims, cfg) if dims.pp > 1 else None
+    if dims.tp_2d:
+        return _parallelize_grid(model, dims, cfg, hook, traffic, stage_layers)
     if dims.tp > 1:
         # Every name a parameter is registered under: a tied head is split too.
         full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
@@ -93,13 +100,42 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
         compile_blocks(model)
     apply_activation_checkpointing(checkpointed_modules(model, cfg.training.activation_checkpointing))
     sync = apply_gradient_sync(model, dims, cfg, hook, tp_shards)
-    pipeline = None
-    if stage_layers is not None:
-        p = cfg.parallel
-        comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, next(model.parameters()).device, traffic)
-        pipeline = PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
-                                    p.virtual_stages, comm)  # fmt: skip
+    pipeline = _pipeline_executor(model, dims, cfg, stage_layers, traffic)
     return ParallelModel(model, sync, dims, tp_shards, traffic, lambda: Transformer(model.cfg), pipeline)
+
+
+def _pipeline_executor(model: Transformer, dims: ParallelDims, cfg: Config, stage_layers: dict[int, list[str]] | None,
+                       traffic: Traffic) -> PipelineExecutor | None:  # fmt: skip
+    """The schedule's executor for this rank's stages, or ``None`` without a pipeline."""
+    if stage_layers is None:
+        return None
+    p = cfg.parallel
+    comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, next(model.parameters()).device, traffic)
+    return PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
+                            p.virtual_stages, comm)  # fmt: skip
+
+
+def _parallelize_grid(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook, traffic: Traffic,
+                      stage_layers: dict[int, list[str]] | None) -> GridParallelModel:  # fmt: skip
+    """Steps 2-6 of :func:`parallelize_llama` with 2D tensor parallelism (Optimus) on the grid
+    axes of ``dims`` in place of step 2 (the config refuses ZeRO with it). Gradient
+    norms: the 2D blocks are split over all of tp, the norm weights over a grid row."""
+    grid = Grid2D.from_mesh(dims.grid_mesh, str(Axis.TP_ROW), str(Axis.TP_COL))
+    grid_shards = shard_2d(model, grid, traffic)
+    if dims.sp > 1:
+        apply_ulysses(model, dims.group(Axis.SP), traffic=traffic)
+    if cfg.training.compile:
+        compile_blocks(model)
+    apply_activation_checkpointing(checkpointed_modules(model, cfg.training.activation_checkpointing))
+    dims_groups = dims.axis_groups(Axis.DP_SP)
+    hook.setup(dims_groups)
+    blocks = frozenset(name for name, (placements, _) in grid_shards.items() if placements != RMSNorm2D.PLACEMENTS)
+    sync = apply_data_parallel(model, dims.grad_mesh.get_group(), cfg.data_parallel.bucket_size_mb, hook,
+                               tp_sharded=blocks, tp_group=dims.group(Axis.TP), pp_group=dims.group_or_none(Axis.PP),
+                               replicated_group=grid.row_group)  # fmt: skip
+    pipeline = _pipeline_executor(model, dims, cfg, stage_layers, traffic)
+    return GridParallelModel(model, sync, dims, {}, traffic, lambda: Transformer(model.cfg), pipeline, grid=grid,
+                             grid_shards=grid_shards, vocab_size=model.cfg.vocab_size)  # fmt: skip
 
 
 class EmulatedParallelModel(ParallelModel):

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loomtrain.config import ModelConfig
 from loomtrain.distributed.tensor_parallel_2d import (
     BATCH_DIM,
     Embedding2D,
     Grid2D,
+    GridShard,
     Linear2D,
     RMSNorm2D,
+    TiedEmbedding2D,
     VocabHead2D,
     check_2d_shapes,
     cross_entropy_2d,
@@ -31,22 +32,6 @@ from loomtrain.models.llama import Transformer
 LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")  # fmt: skip
 NORMS = ("attention_norm", "ffn_norm")
-
-
-def check_tp2d_config(model: ModelConfig, tp: int, micro_batch_size: int) -> int:
-    """The checks of :func:`check_2d_shapes` on a model config (pure: for the config's
-    validation before launch).
-
-    Returns:
-        The grid side ``q``.
-    Raises:
-        ValueError: ``tp`` is not a perfect square (naming the nearest valid sizes), or
-            ``model.dim``, ``n_heads``, ``n_kv_heads``, ``ffn_hidden_dim`` or
-            ``training.micro_batch_size`` is not a multiple of ``q``, or the embeddings are tied.
-    """
-    return check_2d_shapes(tp, dim=model.dim, n_heads=model.n_heads, n_kv_heads=model.kv_heads,
-                           ffn_hidden_dim=model.hidden_dim, micro_batch_size=micro_batch_size,
-                           tie_embeddings=model.tie_embeddings)  # fmt: skip
 
 
 class Transformer2D(nn.Module):
@@ -89,23 +74,26 @@ class Transformer2D(nn.Module):
         return type(module).local_part(self.grid, full)
 
 
-def parallelize_2d(model: Transformer, grid: Grid2D, traffic: Traffic | None = None) -> Transformer2D:
-    """Shard ``model`` over ``grid`` in place (Optimus §3) and return it with its 2D loss.
+def shard_2d(model: Transformer, grid: Grid2D, traffic: Traffic | None = None) -> dict[str, GridShard]:
+    """Shard what ``model`` holds over ``grid`` in place (Optimus §3): every block's linears and
+    norms, and the embedding, final norm and head where present (a pipeline stage holds only
+    some of them).
 
-    Every rank must hold the same full model (built and initialised the same way): parameters
+    Every rank must hold the same full parameters (built and initialised the same way): they
     are copied into this rank's blocks. The embedding and head get ``V_pad = ceil(V/q)·q`` rows,
     the padding rows zero. Parameters per rank: ``1/q²`` of each matrix, ``1/q`` of each norm
     weight. Bytes per collective: see ``docs/tensor_parallel_2d.md``.
 
+    Returns:
+        ``{parameter name: (placements on (tp_row, tp_col), full unpadded shape)}``, for
+        :func:`~loomtrain.distributed.tensor_parallel_2d.grid_dtensor`.
     Raises:
-        ValueError: the model's shapes do not split on a ``q × q`` grid (see
-            :func:`check_2d_shapes`), or it is a pipeline stage (embedding or head removed).
+        ValueError: the model's shapes do not split on a ``q × q`` grid (see :func:`check_2d_shapes`).
     """
-    if model.tok_embeddings is None or model.output is None:
-        raise ValueError("parallelize_2d needs the whole model; pipeline parallelism with 2D is not supported yet")
     cfg = model.cfg
     check_2d_shapes(grid.q**2, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
-                    ffn_hidden_dim=cfg.hidden_dim, tie_embeddings=cfg.tie_embeddings)  # fmt: skip
+                    ffn_hidden_dim=cfg.hidden_dim)  # fmt: skip
+    full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
     for layer in model.layers.values():
         for path in LINEARS:
             parent, name = path.split(".")
@@ -113,7 +101,25 @@ def parallelize_2d(model: Transformer, grid: Grid2D, traffic: Traffic | None = N
             setattr(owner, name, Linear2D.from_linear(getattr(owner, name), grid, traffic))
         for name in NORMS:
             setattr(layer, name, RMSNorm2D.from_norm(getattr(layer, name), grid, traffic))
-    model.tok_embeddings = Embedding2D.from_embedding(model.tok_embeddings, grid, traffic)
-    model.norm = RMSNorm2D.from_norm(model.norm, grid, traffic)
-    model.output = VocabHead2D.from_linear(model.output, grid, traffic)
+    if model.output is not None:
+        model.norm = RMSNorm2D.from_norm(model.norm, grid, traffic)
+        model.output = VocabHead2D.from_linear(model.output, grid, traffic)
+    if cfg.tie_embeddings:  # the config keeps tied models out of pipelines: both ends are here
+        model.tok_embeddings = TiedEmbedding2D(model.output.weight, grid, traffic)
+    elif model.tok_embeddings is not None:
+        model.tok_embeddings = Embedding2D.from_embedding(model.tok_embeddings, grid, traffic)
+    return {name: (model.get_submodule(name.rsplit(".", 1)[0]).PLACEMENTS, full_shapes[name])
+            for name, _ in model.named_parameters(remove_duplicate=False)}  # fmt: skip
+
+
+def parallelize_2d(model: Transformer, grid: Grid2D, traffic: Traffic | None = None) -> Transformer2D:
+    """:func:`shard_2d` of a whole model, returned with its 2D loss (for layer-level checks and
+    benchmarks; training runs go through ``parallelize_llama``).
+
+    Raises:
+        ValueError: as :func:`shard_2d`, or ``model`` is a pipeline stage (embedding or head removed).
+    """
+    if model.tok_embeddings is None or model.output is None:
+        raise ValueError("parallelize_2d needs the whole model; a pipeline stage goes through parallelize_llama")
+    shard_2d(model, grid, traffic)
     return Transformer2D(model, grid, traffic)
