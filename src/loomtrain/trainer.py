@@ -22,6 +22,7 @@ from loomtrain.cluster.throttle import CpuThrottle, parse_speed_changes, place_r
 from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
+from loomtrain.distributed.async_dp import run_async
 from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
 from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
@@ -166,9 +167,10 @@ class Trainer:
         self.sync.attach_optimizer(self.optimizer)
         self.outer = build_outer_sync(cfg.data_parallel, self.model, self.optimizer, self.dims.grad_mesh.get_group(),
                                       hook)  # fmt: skip
+        # async: each round reads its own batches (async_dp); this loader only carries the checkpoint's position.
+        dp_rank, dp = (0, 1) if cfg.data_parallel.mode == "async" else (self.dims.dp_rank, self.dims.dp)
         self.loader = DistributedBatchLoader(
-            self.data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, self.dims.dp_rank, self.dims.dp,
-            cfg.run.seed,
+            self.data.train, t.seq_len, t.global_batch_size, t.micro_batch_size, dp_rank, dp, cfg.run.seed,
         )  # fmt: skip
         self.balancer, self.monitor = None, SpeedMonitor(cfg.balance.smoothing, self.device)
         b = cfg.balance
@@ -228,6 +230,8 @@ class Trainer:
     def run(self) -> dict:
         """Train to ``training.steps``; returns the summary written to ``summary.json``."""
         t, ck = self.cfg.training, self.cfg.checkpoint
+        if self.cfg.data_parallel.mode == "async":  # rank 0 serves the global model, the others train
+            return run_async(self)
         loss, val_loss = float("nan"), None
         self.profiler = StepProfiler(self.cfg, self.device, self.start_step, self.events)
         while self.step < t.steps:
@@ -357,7 +361,7 @@ class Trainer:
         return loss, val_loss
 
     def _finish(self, loss: float, val_loss: float) -> dict:
-        outer = {} if self.outer is None else {"outer_sync_s": self.outer.wait_s, "outer_steps": self.outer.outer_steps}
+        outer = {} if self.outer is None else self.outer.summary_fields()
         summary = self.metrics.summary(
             final_step=self.step, start_step=self.start_step, loss=loss, val_loss=val_loss,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,

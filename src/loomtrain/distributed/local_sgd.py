@@ -50,12 +50,15 @@ import torch.distributed as dist
 from torch import nn
 
 from loomtrain.compression.quantize import dequantize_int8, quantize_int8
-from loomtrain.config import DEFAULT_INNER_STEPS, DataParallelConfig
+from loomtrain.config import DataParallelConfig
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
 from loomtrain.distributed.traffic import all_gather_bytes, all_reduce_bytes
 from loomtrain.hardware import synchronize
 
 log = logging.getLogger(__name__)
+
+# The modes whose replicas meet in an all-reduce (async has its own server: async_dp.py).
+OUTER_SYNC_MODES = ("local_sgd", "diloco", "streaming_diloco")
 
 
 class LocalOnlyHook(CommHook):
@@ -134,8 +137,8 @@ class OuterSync:
                  group: dist.ProcessGroup, mode: str, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
                  hook: CommHook | None = None):  # fmt: skip
-        if mode not in DEFAULT_INNER_STEPS:
-            raise ValueError(f"mode={mode!r} is not an outer-step mode; use one of {sorted(DEFAULT_INNER_STEPS)}")
+        if mode not in OUTER_SYNC_MODES:
+            raise ValueError(f"mode={mode!r} is not an outer-step mode; use one of {sorted(OUTER_SYNC_MODES)}")
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps} must be at least 1")
         self.params, self.inner_optimizer, self.group = list(params), inner_optimizer, group
@@ -190,6 +193,10 @@ class OuterSync:
         write_flat(self.global_flat, self.params)
         self.inner_done = 0
         self.outer_steps += 1
+
+    def summary_fields(self) -> dict[str, Any]:
+        """``outer_sync_s`` (:attr:`wait_s`) and ``outer_steps`` for ``summary.json``."""
+        return {"outer_sync_s": self.wait_s, "outer_steps": self.outer_steps}
 
     @contextlib.contextmanager
     def global_weights(self) -> Iterator[None]:
@@ -513,13 +520,18 @@ class StreamingOuterSync(OuterSync):
 
 
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
-                     group: dist.ProcessGroup, hook: CommHook) -> OuterSync | None:  # fmt: skip
+                     group: dist.ProcessGroup, hook: CommHook) -> Any:  # fmt: skip
     """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
-    :class:`StreamingOuterSync` for ``streaming_diloco``),
+    :class:`StreamingOuterSync` for ``streaming_diloco``; the state of the asynchronous mode,
+    :class:`~loomtrain.distributed.async_dp.AsyncOuter`, for ``async``),
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
     synchronizer's, a :class:`LocalOnlyHook`). A collective."""
     if cfg.mode == "sync":
         return None
+    if cfg.mode == "async":
+        from loomtrain.distributed.async_dp import AsyncOuter  # it imports this module
+
+        return AsyncOuter([p for p in model.parameters() if p.requires_grad], inner_optimizer, cfg, group, hook)
     if cfg.mode == "streaming_diloco":
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         return StreamingOuterSync(named, inner_optimizer, group, cfg, hook)

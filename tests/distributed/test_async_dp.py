@@ -1,0 +1,347 @@
+"""Asynchronous local SGD (``distributed/async_dp.py``): the server/worker exchange on real gloo
+processes (one 3-process spawn), the trainer's async mode with a checkpoint resume (one
+2-process spawn, ``slow``), and the staleness rule and config checks in-process.
+
+Tolerance of the one-worker equivalence: 1e-6 relative (fp32). With one worker every delta has
+staleness 0 and weight 1, and the async run performs the same float operations in the same
+order as the single-process reference (DiLoCo with one replica), so it agrees bit for bit in
+practice; a lost round, a delta of the wrong sign or a stale base moves the parameters by ~1e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from loomtrain.config import ConfigError, DataParallelConfig, ModelConfig, load_config
+from loomtrain.distributed.async_dp import (
+    AsyncOuter,
+    AsyncTimeoutError,
+    AsyncWorker,
+    ParameterServer,
+    Round,
+    delta_weight,
+    pause_rounds,
+    plan_rounds,
+)
+from loomtrain.distributed.local_sgd import flatten, write_flat
+from loomtrain.models import Transformer
+from loomtrain.preflight import check_world
+from tests.distributed.checks import check_result, run_checks, spawn_once
+from tests.integration.test_train import TINY
+
+CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
+RTOL = 1e-6
+SLOW_FIRST_S = 1.5  # the slow worker's first round: long enough for the fast one to do several
+TIMEOUT_S = 2.0  # the dead-worker check's deadline
+
+
+def batch(position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The worker batch at stream position ``position``: 2 sequences of 8 tokens."""
+    g = torch.Generator().manual_seed(position)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_model() -> tuple[Transformer, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def inner_steps(model, opt, rnd: Round, sleep_s: float = 0.0) -> float:
+    """``rnd``'s inner steps on its own batches; returns the mean loss."""
+    total = 0.0
+    for j in range(rnd.steps):
+        x, y = batch(rnd.offset + j)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total += loss.item()
+    time.sleep(sleep_s)
+    return total / rnd.steps
+
+
+def serve_or_work(group, workers: list[int], rounds, cfg: DataParallelConfig, timeout_s: float, sleep=None) -> dict:
+    """Run the exchange on this rank (server: rank 0; ``workers`` train). ``sleep(worker,
+    rounds_done)``: extra seconds a worker spends in a round. Returns the server's settled
+    rounds and θ_global, or the worker's rounds done and final parameters."""
+    model, opt = make_model()
+    outer = AsyncOuter(list(model.parameters()), opt, cfg)
+    rank = dist.get_rank()
+    if rank == 0:
+        settled = []
+        ParameterServer(outer, group, workers, rounds, timeout_s, settled.append).serve()
+        return {"settled": settled, "global": outer.global_flat.clone(), "version": outer.version}
+    holder = {}
+
+    def train_round(rnd: Round) -> float:
+        extra = sleep(rank, worker.rounds_done) if sleep else 0.0
+        return inner_steps(model, opt, rnd, extra)
+
+    worker = holder["w"] = AsyncWorker(outer, group, 0, rounds, timeout_s, train_round)
+    end = worker.run()
+    return {"rounds_done": worker.rounds_done, "params": flatten(list(model.parameters())), "end": end}
+
+
+def reference(rounds: list[Round], cfg: DataParallelConfig) -> tuple[list[float], torch.Tensor]:
+    """One process, no messages: DiLoCo with one replica over ``rounds`` (θ_local ← θ_global,
+    the round's inner steps, outer Nesterov SGD on θ_global − θ_local)."""
+    model, opt = make_model()
+    params = list(model.parameters())
+    theta = flatten(params)
+    outer = torch.optim.SGD([theta], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    losses = []
+    for rnd in rounds:
+        write_flat(theta, params)
+        losses.append(inner_steps(model, opt, rnd))
+        with torch.no_grad():
+            theta.grad = theta - flatten(params)
+        outer.step()
+    return losses, theta
+
+
+def one_worker_equals_reference():
+    """Server 0 and worker 1 on their own group; rank 2 computes the reference meanwhile."""
+    group = dist.new_group([0, 1], backend="gloo")
+    cfg = DataParallelConfig(mode="async", inner_steps=3)
+    rounds = plan_rounds(8, 3, 1)  # rounds of 3, 3 and 2 steps
+    if dist.get_rank() == 2:
+        return reference(rounds, cfg)
+    return serve_or_work(group, [1], rounds, cfg, 60.0)
+
+
+def slow_worker_does_not_hold_back_the_fast():
+    """Server 0, workers 1 (fast) and 2 (slow: its first round takes SLOW_FIRST_S longer,
+    each later one 0.2 s), 16 rounds of 2 steps, τ ≤ 2 applied with weight 1/(2(1+τ))."""
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    cfg = DataParallelConfig(mode="async", inner_steps=2, max_staleness=2, staleness_policy="scale")
+
+    def sleep(rank: int, done: int) -> float:
+        return 0.0 if rank == 1 else SLOW_FIRST_S if done == 0 else 0.2
+
+    return serve_or_work(group, [1, 2], plan_rounds(16, 2, 2), cfg, 60.0, sleep)
+
+
+class Died(Exception):
+    """A worker that stops answering (the check's stand-in for a crashed or hung process)."""
+
+
+def dead_worker_times_out():
+    """Worker 2 takes a round and never returns it; the server's deadline is TIMEOUT_S."""
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    cfg = DataParallelConfig(mode="async", inner_steps=1)
+
+    def sleep(rank: int, done: int) -> float:
+        if rank == 2:
+            time.sleep(TIMEOUT_S + 1.5)
+            raise Died
+        return 0.0
+
+    start = time.monotonic()
+    try:
+        out = serve_or_work(group, [1, 2], plan_rounds(4, 1, 2), cfg, TIMEOUT_S, sleep)
+    except (AsyncTimeoutError, Died) as err:
+        out = {"error": type(err).__name__, "message": str(err)}
+    out["elapsed_s"] = time.monotonic() - start
+    return out
+
+
+def all_checks() -> dict:
+    return run_checks({
+        "one_worker_equals_reference": one_worker_equals_reference,
+        "slow_worker_does_not_hold_back_the_fast": slow_worker_does_not_hold_back_the_fast,
+        "dead_worker_times_out": dead_worker_times_out,
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn_once(all_checks, 3, timeout_s=120)
+
+
+def test_one_worker_equals_single_process_reference(results):
+    """Catches: a delta of the wrong sign or taken against the wrong base, a lost or repeated
+    round, a round's batches or inner step count that depend on the worker, the outer Nesterov
+    step or its momentum not applied as DiLoCo's, and a worker that does not continue from the
+    server's model."""
+    ref_losses, ref_theta = check_result(results, "one_worker_equals_reference", 2)
+    server = check_result(results, "one_worker_equals_reference", 0)
+    worker = check_result(results, "one_worker_equals_reference", 1)
+    assert [s.round.index for s in server["settled"]] == [0, 1, 2]
+    assert [s.tau for s in server["settled"]] == [0, 0, 0] and [s.weight for s in server["settled"]] == [1.0] * 3
+    torch.testing.assert_close([s.loss for s in server["settled"]], ref_losses, rtol=RTOL, atol=0)
+    torch.testing.assert_close(server["global"], ref_theta, rtol=RTOL, atol=1e-7)
+    assert torch.equal(worker["params"], server["global"]) and worker["end"] == "done"
+
+
+def test_fast_worker_never_waits_and_staleness_rule_holds(results):
+    """Catches: a server that serves workers in turn (the fast worker would wait for the slow
+    one), a delta applied beyond max_staleness or rejected within it, a wrong staleness count
+    (τ must count the updates applied since the worker's model), the 1/(W(1+τ)) weight not
+    applied, and workers left with another model than θ_global at the end."""
+    server = check_result(results, "slow_worker_does_not_hold_back_the_fast", 0)
+    settled = server["settled"]
+    by_worker = {w: [s for s in settled if s.worker == w] for w in (1, 2)}
+    assert sorted(s.round.index for s in settled) == list(range(16))
+    assert len(by_worker[1]) > len(by_worker[2]) >= 1
+    first_slow = settled.index(by_worker[2][0])
+    assert first_slow >= 3  # the fast worker returned 3+ rounds while the slow one held its first
+    assert by_worker[2][0].tau >= 3 and by_worker[2][0].weight is None
+    version = 0
+    for s in settled:
+        if s.tau <= 2:
+            assert s.weight == pytest.approx(1 / (2 * (1 + s.tau))), s
+            version += 1
+        else:
+            assert s.weight is None, s
+        assert s.version == version
+    assert server["version"] == version
+    for rank in (1, 2):
+        worker = check_result(results, "slow_worker_does_not_hold_back_the_fast", rank)
+        assert torch.equal(worker["params"], server["global"])
+        assert worker["rounds_done"] == len(by_worker[rank])
+
+
+def test_dead_worker_is_a_clear_timeout(results):
+    """Catches: a server that waits forever on a worker that died or hangs (the test would hit
+    the spawn's timeout instead), and an error that does not name the missing rank or the
+    setting to change."""
+    server = check_result(results, "dead_worker_times_out", 0)
+    assert server["error"] == "AsyncTimeoutError"
+    assert "worker rank 2" in server["message"] and "distributed.timeout_s" in server["message"]
+    assert server["elapsed_s"] < TIMEOUT_S + 10
+    assert check_result(results, "dead_worker_times_out", 1)["end"] == "done"
+    assert check_result(results, "dead_worker_times_out", 2)["error"] == "Died"
+
+
+def test_staleness_weights_and_rejection():
+    """Catches: the bound applied as < instead of <=, a reject policy that scales, a scale
+    policy that does not, or a weight without the 1/W share."""
+    assert delta_weight(0, 2, "scale", 1) == 1.0
+    assert delta_weight(2, 2, "scale", 2) == pytest.approx(1 / 6)
+    assert delta_weight(3, 2, "scale", 2) is None
+    assert delta_weight(2, 2, "reject", 4) == 0.25
+    assert delta_weight(3, 2, "reject", 4) is None
+    assert delta_weight(0, 0, "reject", 3) == pytest.approx(1 / 3)
+
+
+def test_rounds_hold_the_sync_runs_tokens():
+    """Catches: rounds that cover more or fewer worker steps than ``steps × W`` (the async run
+    would train on other tokens than the sync one), overlapping batch offsets, and checkpoint
+    pauses placed inside a period."""
+    rounds = plan_rounds(7, 3, 2)
+    assert [(r.first_step, r.steps) for r in rounds] == [(0, 3), (0, 3), (3, 3), (3, 3), (6, 1), (6, 1)]
+    assert [r.offset for r in rounds] == [0, 3, 6, 9, 12, 13]
+    assert sum(r.steps for r in rounds) == 7 * 2
+    assert pause_rounds(rounds, 2, 3, 0) == [2, 4]
+    assert pause_rounds(rounds, 2, 4, 2) == [4]
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_rounds(0, 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["--data_parallel.max_staleness=2"], "data_parallel.max_staleness only applies to data_parallel.mode='async'"),
+        (["--data_parallel.staleness_policy=reject"], "staleness_policy only applies"),
+        (["--data_parallel.mode=async", "--data_parallel.max_staleness=-1"], "max_staleness"),
+        (["--data_parallel.mode=async", "--data_parallel.zero_stage=1"], "mode='async' with data_parallel.zero_stage"),
+        (["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"], "tensor_parallel_degree"),
+        (["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"], "pipeline_parallel_degree"),
+        (["--data_parallel.mode=async", "--simulate.speed_change=3:1:0.5"], "simulate.speed_change"),
+    ],
+)
+def test_async_config_refusals(overrides, match):
+    """Catches: async settings accepted (and silently ignored) in another mode, a negative
+    bound, and async combined with sharding, tp, pp or speed changes it does not support."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_async_world_checks():
+    """Catches: async started on one process (no worker, or no server) or with a global batch
+    the workers cannot split, which would only fail after the process group is up; and the
+    defaults (DiLoCo's outer optimizer and H, staleness bound 4, scaling) drifting."""
+    cfg = load_config(None, ["--data_parallel.mode=async", "--training.global_batch_size=8",
+                             "--training.micro_batch_size=2"])  # fmt: skip
+    with pytest.raises(ConfigError, match="needs at least 2 processes.*--nproc"):
+        check_world(cfg, 1)
+    with pytest.raises(ConfigError, match="not divisible by the 3 async workers"):
+        check_world(cfg, 4)  # 3 workers × 2 samples do not divide 8
+    check_world(cfg, 3)
+    check_world(cfg, 5)
+    dp = cfg.data_parallel
+    assert (dp.resolved_inner_steps, dp.outer_lr, dp.outer_momentum, dp.outer_nesterov) == (500, 0.7, 0.9, True)
+    assert (dp.max_staleness, dp.staleness_policy) == (4, "scale")
+    assert load_config(None, ["--data_parallel.mode=async", "--data_parallel.outer_lr=1"]).data_parallel.outer_lr == 1
+
+
+# Through the trainer: one worker, 8 steps, H = 2, a checkpoint (a pause) at step 4. Marked slow: a
+# second spawn (~20 s on the loaded 2-core machine, process start-up most of it) beyond the
+# exchange's, which covers the algorithm in `make test`.
+ASYNC = ["--training.steps=8", "--checkpoint.interval=4", "--checkpoint.keep_last=3",
+         "--data_parallel.mode=async", "--data_parallel.inner_steps=2",
+         "--distributed.probe_topology=false"]  # fmt: skip
+
+
+def train_and_resume(out: str) -> list[dict]:
+    """In one spawn: the whole run, then a run resumed from its step-4 checkpoint."""
+    from loomtrain.trainer import train
+
+    whole = train(load_config(None, [*TINY, *ASYNC, f"--run.out_dir={out}", "--run.name=whole"]))
+    resumed = train(load_config(None, [*TINY, *ASYNC, f"--run.out_dir={out}", "--run.name=resumed",
+                                       f"--checkpoint.resume={out}/whole/checkpoints/step_00000004"]))  # fmt: skip
+    return [whole, resumed]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("async")
+    spawn_once(train_and_resume, 2, str(out), timeout_s=240)
+    return out
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_model(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    target = tmp / f"{run.name}.pt"
+    dcp_to_torch_save(run / "checkpoints" / "step_00000008", target)
+    return torch.load(target, weights_only=False)["model"]
+
+
+@pytest.mark.slow
+def test_trainer_async_resume_continues_the_run(trained, tmp_path):
+    """Catches: the server's θ_global, outer momentum or round counter, or the worker's inner
+    optimizer state lost across a checkpoint (the resumed losses and final model would differ),
+    a resume that repeats or skips rounds, and a checkpoint taken with rounds still out."""
+    whole, resumed = records(trained / "whole"), records(trained / "resumed")
+    assert [r["round"] for r in whole] == [0, 1, 2, 3]
+    assert [(r["round"], r["loss"]) for r in resumed if r["step"] > 4] == [
+        (r["round"], r["loss"]) for r in whole if r["step"] > 4
+    ]
+    want, got = final_model(trained / "whole", tmp_path), final_model(trained / "resumed", tmp_path)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.slow
+def test_trainer_records_staleness_of_every_delta(trained):
+    """Catches: deltas applied without their τ in metrics.jsonl or summary.json, and a summary
+    whose outer step count or throughput does not come from the server's rounds."""
+    whole = records(trained / "whole")
+    assert all(r["staleness"] == 0 and r["applied"] == 1 for r in whole)
+    summary = json.loads((trained / "whole" / "summary.json").read_text())
+    assert summary["outer_steps"] == 4 and summary["staleness_applied"] == {"0": 4}
+    assert summary["staleness_rejected"] == {} and summary["final_step"] == 8
+    assert summary["tokens_per_s"] > 0 and summary["val_loss"] < whole[0]["loss"]
