@@ -148,3 +148,7 @@ def gpt(
 # Brown et al., "Language Models are Few-Shot Learners" (2020), Table 2.1 (n_layers, d_model,
 # n_heads; context 2048) with GPT-2's 50,257-token vocabulary (§2.1: the GPT-2 tokenizer).
 GPT3_175B = gpt(96, 12288, 96, vocab_size=50257, name="gpt3-175b")
+
+# Planner-side presets for shapes loomtrain's model class cannot build (GPT-3: LayerNorm, GELU, learned
+# positions). The Llama presets live in loomtrain.models.presets (they are ModelConfig shapes).
+ARCH_PRESETS: dict[str, Architecture] = {"gpt3-175b": GPT3_175B}

@@ -75,6 +75,8 @@ class Layout:
     Attributes:
         seq_len: tokens per sequence (``s``). micro_batch: sequences per micro-batch (``b``).
         dp, tp, pp, sp: data-, tensor-, pipeline- and Ulysses sequence-parallel degrees.
+        dp_replicate: replicas of the ZeRO shard group (HSDP): ``dp = dp_replicate · dp_shard``, ZeRO
+            shards over the ``dp_shard`` ranks only (1: ZeRO over all of ``dp``).
         sequence_parallel: Megatron sequence parallelism on the ``tp`` ranks (norms, dropouts and
             residuals hold ``s/t`` positions).
         zero_stage: 0 (replicated), 1 (``P_os``), 2 (``P_os+g``), 3 (``P_os+g+p``) over ``dp`` ranks.
@@ -85,7 +87,8 @@ class Layout:
 
     Raises:
         ValueError: a degree or size below 1, an unknown ``zero_stage``, ``schedule`` or
-            ``recompute``, or ``virtual_stages > 1`` without ``interleaved_1f1b``.
+            ``recompute``, ``dp_replicate`` not dividing ``dp``, or ``virtual_stages > 1`` without
+            ``interleaved_1f1b``.
     """
 
     seq_len: int
@@ -94,6 +97,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    dp_replicate: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 0
     n_micro: int = 1
@@ -103,9 +107,11 @@ class Layout:
     precision: Precision = field(default=FP32_ADAM)
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "n_micro", "virtual_stages"):
+        for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "dp_replicate", "n_micro", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name}={getattr(self, name)} must be at least 1")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"Layout.dp_replicate={self.dp_replicate} must divide dp={self.dp}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"Layout.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
@@ -116,6 +122,16 @@ class Layout:
             raise ValueError(
                 f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b', not {self.schedule!r}"
             )
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks ZeRO shards over: ``dp / dp_replicate``."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def gpus(self) -> int:
+        """Devices of the layout: ``dp · tp · pp · sp``."""
+        return self.dp * self.tp * self.pp * self.sp
 
 
 @dataclass(frozen=True)
@@ -366,14 +382,14 @@ def estimate(arch: Architecture, layout: Layout) -> MemoryEstimate:
     Activations: :func:`in_flight` chunk-forwards × :func:`layers_per_chunk` × per-layer bytes,
     plus, under full recomputation, one block's unrecomputed activations (the block backward is
     recomputing). Model states: :func:`model_state_bytes` of :func:`device_params` over
-    ``N_d = dp``. Autocast copies: each in-flight chunk keeps its blocks' weight matrices cast to
+    ``N_d = dp_shard``. Autocast copies: each in-flight chunk keeps its blocks' weight matrices cast to
     ``activation_bytes`` (none under full recomputation, which drops them with the rest).
 
     Raises:
         ValueError: as the functions it calls.
     """
     n_params = device_params(arch, layout)
-    params, grads, optimizer = model_state_bytes(n_params, layout.dp, layout.zero_stage, layout.precision)
+    params, grads, optimizer = model_state_bytes(n_params, layout.dp_shard, layout.zero_stage, layout.precision)
     chunks = in_flight(layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages)
     layers = chunks * layers_per_chunk(arch, layout)
     activations = layers * layer_activation_bytes(arch, layout)

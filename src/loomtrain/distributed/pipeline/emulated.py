@@ -15,21 +15,11 @@ gradient carries, in its first 8 bytes, the sender's device time at which it was
 nothing. Device times are ``time.time()`` seconds, shared by every process of one machine (or of its
 emulated hosts, which share one kernel clock): emulated ranks must run on one machine.
 
-Cost model. A transformer layer is its matmuls; norms, softmax and other elementwise work are left
-out, as in ``models/flops.py``. A kernel of ``flops`` FLOP moving ``bytes`` bytes takes
-``max(flops / (peak · efficiency), bytes / bandwidth)``: the math-or-memory bound of NVIDIA's "Matrix
-Multiplication Background User's Guide" (DU-09799-001, ch. 2 "Math and Memory Bounds"), so a GEMM of
-few tokens is priced by reading its weight. A GEMM ``M × K`` by ``K × N`` is ``2 M K N`` FLOP and
-``2 (M K + K N + M N)`` bytes in bf16. ``efficiency`` is 1.0 unless given: the guide's bound itself,
-which real kernels approach but do not reach. Point-to-point transfers take no device time (the
-bubble formulas assume so; 512 KiB over 900 GB/s NVLink is under a microsecond).
-
-Backward of a weight GEMM ``Y = X W`` is two GEMMs of the forward's FLOPs (Kaplan et al. 2020 §2.1):
-``dX = dY Wᵀ`` (the input gradient, a zero-bubble ``B``) and ``dW = Xᵀ dY`` (the weight gradient,
-``W``). Attention is one fused kernel per layer (FlashAttention, Dao et al. 2022: the ``s × s``
-scores never reach memory): ``Q Kᵀ`` and ``P V`` over the full square as ``models/flops.py`` counts
-them, moving ``Q``, ``K``, ``V`` and the output; its backward, twice the FLOPs and reading those
-and the output gradient to write ``dQ``, ``dK``, ``dV``, is all input gradient (no weights).
+Cost model: ``planner/cost.py``, the one layer cost model the planner's time model uses too (the
+math-or-memory bound of each weight GEMM and of the fused attention kernel, without wave
+quantization, at the datasheet peak; norms and other elementwise work left out, as in
+``models/flops.py``). Point-to-point transfers take no device time (the bubble formulas assume so;
+512 KiB over 900 GB/s NVLink is under a microsecond).
 """
 
 from __future__ import annotations
@@ -37,7 +27,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,9 +36,13 @@ from loomtrain.config import ModelConfig
 from loomtrain.distributed.pipeline.executor import PipelineExecutor
 from loomtrain.distributed.pipeline.p2p import PipelineComm
 from loomtrain.distributed.pipeline.schedule import rank_stages, simulate, theoretical_bubble
-from loomtrain.hardware import gpu_peak_flops_per_s
+from loomtrain.planner.cost import DEVICES as DEVICES  # re-exported: --simulate.device's names
+from loomtrain.planner.cost import Device, stage_times
+from loomtrain.planner.cost import Gemm as Gemm
+from loomtrain.planner.cost import attention_kernels as attention_kernels
+from loomtrain.planner.cost import device as device
+from loomtrain.planner.cost import layer_gemms as layer_gemms
 
-BYTES_BF16 = 2
 STAMP_BYTES = 8  # one float64: the device time at which a sent tensor was computed
 # How many pieces of work (an action is one to three) the host may queue ahead of the device: a
 # few, so the host's own time per action (0.2-2 ms, more where 8 ranks share 2 cores) is absorbed
@@ -126,136 +119,6 @@ def _stamp_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def read_stamp(tensor: torch.Tensor) -> float:
     """The device time (``time.time()`` seconds) a tensor from :meth:`DeviceClock.stamp` was computed at."""
     return _stamp_bytes(tensor.detach()).clone().view(torch.float64).item()
-
-
-@dataclass(frozen=True)
-class Device:
-    """An emulated GPU.
-
-    Attributes:
-        name: what ``--simulate.device`` calls it. peak_flops_per_s: dense bf16 tensor FLOP/s.
-        memory_bytes_per_s: HBM bandwidth, bytes/s. efficiency: share of the peak a math-bound GEMM
-            reaches (1.0: the roofline itself).
-        source: where the figures come from.
-    """
-
-    name: str
-    peak_flops_per_s: float
-    memory_bytes_per_s: float
-    efficiency: float = 1.0
-    source: str = ""
-
-
-def _datasheet_peak(name: str) -> float:
-    peak = gpu_peak_flops_per_s(name, torch.bfloat16, tf32=False)
-    if peak is None:
-        raise KeyError(f"no datasheet peak for {name!r} in hardware.GPU_PEAKS")
-    return peak
-
-
-# Peaks from hardware.GPU_PEAKS (the vendors' datasheets, dense: half the sparse figure).
-DEVICES: dict[str, Device] = {
-    "a100": Device("a100", _datasheet_peak("A100"), 2.039e12,
-                   source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: BF16 312 TFLOP/s dense, 2,039 GB/s"),
-    "h100": Device("h100", _datasheet_peak("H100"), 3.35e12,
-                   source="NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 989.4 TFLOP/s dense, 3.35 TB/s"),
-}  # fmt: skip
-
-
-def device(name: str) -> Device:
-    """The emulated device called ``name`` (case-insensitive).
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
-    found = DEVICES.get(name.lower())
-    if found is None:
-        raise ValueError(f"simulate.device={name!r} is unknown; choose one of {', '.join(DEVICES)}")
-    return found
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """Work of one kernel: ``flops`` FLOP, ``bytes`` bytes of memory traffic."""
-
-    flops: float
-    bytes: float
-
-    def seconds(self, dev: Device) -> float:
-        """The math-or-memory bound of this kernel on ``dev``, in seconds."""
-        return max(self.flops / (dev.peak_flops_per_s * dev.efficiency), self.bytes / dev.memory_bytes_per_s)
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """The product of an ``m × k`` by a ``k × n`` bf16 matrix."""
-
-    m: int
-    k: int
-    n: int
-
-    def seconds(self, dev: Device) -> float:
-        """The math-or-memory bound of this product on ``dev``, in seconds."""
-        traffic = BYTES_BF16 * (self.m * self.k + self.k * self.n + self.m * self.n)
-        return Kernel(2 * self.m * self.k * self.n, traffic).seconds(dev)
-
-    def input_grad(self) -> Gemm:
-        """``dX = dY Wᵀ`` of ``Y = X W``: ``m × n`` by ``n × k``."""
-        return Gemm(self.m, self.n, self.k)
-
-    def weight_grad(self) -> Gemm:
-        """``dW = Xᵀ dY`` of ``Y = X W``: ``k × m`` by ``m × n``."""
-        return Gemm(self.k, self.m, self.n)
-
-
-@dataclass(frozen=True)
-class ActionTimes:
-    """Seconds of one micro-batch's actions on one stage: ``forward``, ``input_grad`` (a split
-    schedule's ``B``) and ``weight_grad`` (its ``W``); a whole backward is their sum."""
-
-    forward: float
-    input_grad: float
-    weight_grad: float
-
-    @property
-    def backward(self) -> float:
-        """The whole backward, seconds."""
-        return self.input_grad + self.weight_grad
-
-
-def layer_gemms(cfg: ModelConfig, seq_len: int, micro_batch: int) -> list[Gemm]:
-    """The weight GEMMs of one transformer block, ``tokens × in`` by ``in × out`` (``tokens =
-    micro_batch · seq_len``): ``wq``, ``wk``, ``wv``, ``wo`` (grouped-query aware) and SwiGLU's
-    ``w1``, ``w3``, ``w2``."""
-    tokens, d, f = micro_batch * seq_len, cfg.dim, cfg.hidden_dim
-    d_kv = cfg.kv_heads * cfg.head_dim
-    return [Gemm(tokens, d, d), Gemm(tokens, d, d_kv), Gemm(tokens, d, d_kv), Gemm(tokens, d, d),
-            Gemm(tokens, d, f), Gemm(tokens, d, f), Gemm(tokens, f, d)]  # fmt: skip
-
-
-def attention_kernels(cfg: ModelConfig, seq_len: int, micro_batch: int) -> tuple[Kernel, Kernel]:
-    """One block's fused attention, ``(forward, backward)``: ``Q Kᵀ`` and ``P V`` per sequence and head
-    (``2 · 2 s² hd`` FLOP), moving ``Q``, ``K``, ``V``, output (forward) and those, the output gradient
-    and ``dQ``, ``dK``, ``dV`` (backward, twice the FLOPs); bf16, every head counted in full."""
-    heads, s, hd = micro_batch * cfg.n_heads, seq_len, cfg.head_dim
-    flops = heads * 2 * 2 * s * s * hd
-    tensor = heads * s * hd * BYTES_BF16
-    return Kernel(flops, 4 * tensor), Kernel(2 * flops, 8 * tensor)
-
-
-def stage_times(cfg: ModelConfig, n_layers: int, last: bool, seq_len: int, micro_batch: int,
-                dev: Device) -> ActionTimes:  # fmt: skip
-    """Action times of a stage of ``n_layers`` blocks, with the output head if ``last`` (a
-    ``tokens × dim`` by ``dim × vocab`` weight GEMM), for ``micro_batch`` sequences of ``seq_len``."""
-    weights = layer_gemms(cfg, seq_len, micro_batch) * n_layers
-    if last:
-        weights.append(Gemm(micro_batch * seq_len, cfg.dim, cfg.vocab_size))
-    attention, attention_backward = attention_kernels(cfg, seq_len, micro_batch)
-    return ActionTimes(
-        forward=sum(g.seconds(dev) for g in weights) + n_layers * attention.seconds(dev),
-        input_grad=sum(g.input_grad().seconds(dev) for g in weights) + n_layers * attention_backward.seconds(dev),
-        weight_grad=sum(g.weight_grad().seconds(dev) for g in weights),
-    )
 
 
 class _Wait(torch.autograd.Function):

@@ -1,0 +1,99 @@
+"""``loomtrain plan``: the best parallel layouts of a model on a cluster, from the planner's cost model.
+
+Prints the top layouts (memory per device, predicted step time, tokens/s, MFU) and a summary of the
+rejected ones by reason. Every figure is a prediction of ``planner/time.py`` and ``planner/memory.py``
+(docs/planner.md: how they compare with published runs), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from loomtrain.planner.arch import ARCH_PRESETS, Architecture, from_model_config
+from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec
+from loomtrain.planner.search import REASONS, Plan, SearchResult, search
+
+EXIT_USAGE = 2
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """The ``loomtrain plan`` parser."""
+    p = argparse.ArgumentParser(
+        prog="loomtrain plan",
+        description="Rank the parallel layouts (dp/ZeRO/HSDP, tp, Megatron SP, Ulysses sp, pp, virtual stages, "
+        "micro-batch, recomputation) of a model on a cluster by predicted step time.",
+    )
+    p.add_argument("--model", required=True,
+                   help="a preset (llama3-8b, llama3-70b, gpt3-175b, ...) or a loomtrain config TOML")  # fmt: skip
+    p.add_argument("--cluster", required=True, help="a cluster spec TOML, or a name in configs/clusters (dgx-a100)")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all of the cluster's)")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="share of device memory the predicted bytes may fill (default 0.9)")  # fmt: skip
+    return p
+
+
+def resolve_model(name: str) -> Architecture:
+    """The :class:`Architecture` of a planner preset, a Llama preset or a loomtrain config TOML.
+
+    Raises:
+        ValueError: none of these; the message lists the presets.
+        ConfigError: an invalid config file.
+    """
+    if name in ARCH_PRESETS:
+        return ARCH_PRESETS[name]
+    from loomtrain.models.presets import PRESETS, preset_config
+
+    if name in PRESETS:
+        return from_model_config(preset_config(name), name)
+    if Path(name).is_file():
+        from loomtrain.config import load_config
+
+        return from_model_config(load_config(name).model, Path(name).stem)
+    known = ", ".join([*PRESETS, *ARCH_PRESETS])
+    raise ValueError(f"--model={name!r}: not a file and not a preset; presets: {known}")
+
+
+def _row(rank: int, plan: Plan) -> str:
+    lay, gib = plan.layout, plan.memory_bytes / 2**30
+    dp = f"{lay.dp_replicate}×{lay.dp_shard}" if lay.dp_replicate > 1 else str(lay.dp)
+    return (f"| {rank} | {dp} | {lay.zero_stage} | {lay.tp} | {'y' if lay.sequence_parallel else 'n'} | {lay.sp} | "
+            f"{lay.pp} | {lay.virtual_stages} | {lay.micro_batch} | {lay.n_micro} | {lay.recompute} | {gib:.1f} | "
+            f"{plan.step.total:.3f} | {plan.tokens_per_s:,.0f} | {100 * plan.mfu:.1f} |")  # fmt: skip
+
+
+def report(result: SearchResult, spec: ClusterSpec, arch: Architecture, top: int, world: int | None = None) -> str:
+    """The printed answer: the cluster, the top layouts as a Markdown table, the rejections by reason."""
+    cluster = spec.to_cluster()
+    lines = [f"{arch.name or 'model'} ({arch.param_count() / 1e9:.1f}B parameters) on {spec.name}: "
+             f"{world or spec.gpus} of {spec.gpus} × {cluster.device.name}, "
+             f"{cluster.device.memory_bytes / 2**30:.0f} GiB each"
+             + (" (heterogeneous: priced as its slowest, smallest parts)" if spec.heterogeneous else ""),
+             f"{result.considered:,} layouts considered, {len(result.plans):,} fit; top {min(top, len(result.plans))} "
+             "by predicted step time (predictions, not measurements):", "",
+             "| # | dp | ZeRO | tp | SP | sp | pp | v | b | m | recompute | GiB/device | step s | tokens/s | MFU % |",
+             "|" + " ---: |" * 4 + " --- |" + " ---: |" * 5 + " --- |" + " ---: |" * 4]  # fmt: skip
+    lines += [_row(i + 1, plan) for i, plan in enumerate(result.plans[:top])]
+    lines += ["", "rejected:"] + [f"  {n:,} {REASONS[r]}" for r, n in sorted(result.rejected.items())]
+    if not result.plans:
+        lines.append("no layout fits: add GPUs, lower --global-batch or --seq-len, or raise --memory-fraction")
+    return "\n".join(lines)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    """Run ``loomtrain plan``; prints the report, or ``error: ...`` and returns 2 on bad input."""
+    args = plan_parser().parse_args(argv)
+    try:
+        arch = resolve_model(args.model)
+        spec = load_cluster_spec(args.cluster)
+        result = search(arch, spec.to_cluster(), args.global_batch, seq_len=args.seq_len, world=args.gpus,
+                        memory_fraction=args.memory_fraction)  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(report(result, spec, arch, args.top, args.gpus))
+    return 0

@@ -1,0 +1,94 @@
+"""The time model against Megatron-LM's published runs (Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC 2021, arXiv:2104.04473): Tables 1 and 2 (22 rows), and the
+rankings of Fig. 13 (tensor versus pipeline parallelism, a 162.2B GPT on 64 A100s, batch 32 and 128) and
+Fig. 16 (micro-batch size, a 91B GPT at t = p = 8, batch 128 and 512). The shapes of the figures' models are
+those of Megatron-LM's examples/sc21/run_figure_13.sh (32 layers, hidden 20480, 128 heads, micro-batch 1)
+and run_figure_16.sh (32 layers, hidden 15360, 128 heads). No constant of the model is fitted to these.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loomtrain.planner.arch import gpt
+from loomtrain.planner.memory import MIXED_ADAM, Layout
+from loomtrain.planner.published import (
+    MEGATRON_RUNS,
+    MEGATRON_TABLE2,
+    constant_predictor_errors,
+    errors,
+    layout_of,
+    mape,
+    predict,
+)
+from loomtrain.planner.time import DGX_A100, tflops_per_gpu
+
+FIG13 = gpt(32, 20480, 128)
+FIG16 = gpt(32, 15360, 128)
+ISSUE_MAPE, ISSUE_WORST = 10.0, 0.20  # the issue's targets
+
+
+def _megatron(arch, tp: int, pp: int, batch: int, micro_batch: int = 1) -> float:
+    layout = Layout(seq_len=2048, micro_batch=micro_batch, dp=64 // (tp * pp), tp=tp, pp=pp,
+                    n_micro=batch // micro_batch, recompute="full", precision=MIXED_ADAM)  # fmt: skip
+    return tflops_per_gpu(arch, layout, DGX_A100)
+
+
+@pytest.mark.parametrize("run", MEGATRON_TABLE2, ids=lambda r: f"{r.table}-{r.params_b}B-{r.gpus}")
+def test_table2_rows_are_consistent(run):
+    """Catches: a mistyped Table 2 row: the shape must give the row's parameter count (eq. 2, to 0.1 B),
+    the GPUs must divide into t·p replicas, and ZeRO-3's micro-batch times its GPUs must be the batch
+    (one micro-batch per step, no model parallelism)."""
+    assert gpt(run.layers, run.hidden, run.heads).param_count() / 1e9 == pytest.approx(run.params_b, abs=0.06)
+    layout = layout_of(run)
+    assert layout.dp * layout.n_micro * layout.micro_batch == run.batch and layout.gpus == run.gpus
+    assert run.zero_stage == 0 or (layout.n_micro == 1 and run.tp == run.pp == 1)
+
+
+def test_22_rows_beat_the_best_constant_and_no_row_is_off_by_more_than_20_percent():
+    """Catches: a time model no better than a constant guess across Tables 1 and 2 (44-171 TFLOP/s), or one
+    row far off (the issue's 20 % bound, which the model meets). The issue's 10 % MAPE is NOT met (13.1 %
+    measured, every pipelined row over-predicted by 11-19 %: docs/planner.md); it is reported, not asserted."""
+    errs = errors(MEGATRON_RUNS)
+    assert len(errs) == 22
+    assert max(abs(e) for e in errs) <= ISSUE_WORST
+    assert mape(errs) < mape(constant_predictor_errors(MEGATRON_RUNS)) / 2
+
+
+def test_best_constant_predictor_is_the_mape_minimising_constant():
+    """Catches: a baseline weaker than the best constant (e.g. the mean, which MAPE does not favour):
+    no published value or midpoint may give a lower MAPE than the one used."""
+    values = sorted(r.tflops for r in MEGATRON_RUNS)
+    best = mape(constant_predictor_errors(MEGATRON_RUNS))
+    for c in values + [(a + b) / 2 for a, b in zip(values, values[1:], strict=False)]:
+        assert best <= 100 * sum(abs(c - v) / v for v in values) / len(values) + 1e-9
+
+
+@pytest.mark.parametrize("batch", [32, 128])
+def test_fig13_best_split_of_64_gpus_is_t8_p8_and_a_bad_split_costs_2x(batch):
+    """Catches: a model that prefers tensor parallelism across hosts (its all-reduces on InfiniBand) or deep
+    pipelines (their bubble): of (p, t) = (2, 32) ... (32, 2), t = p = 8 must be the best (Fig. 13), and the
+    worst split must lose at least half the throughput (the paper: ~75 against ~165 TFLOP/s at batch 128)."""
+    splits = {(t, 64 // t): _megatron(FIG13, t, 64 // t, batch) for t in (32, 16, 8, 4, 2)}
+    assert max(splits, key=splits.get) == (8, 8)
+    assert min(splits.values()) <= 0.5 * splits[(8, 8)]
+
+
+def test_fig16_micro_batch_2_is_best_for_91b_at_t8_p8():
+    """Catches: a model blind to the micro-batch trade-off (bigger GEMMs against a bigger pipeline bubble):
+    at batch 512 micro-batch 2 must be the best of 1, 2, 4, 8 (Fig. 16). At batch 128 the model puts
+    b = 1 and b = 2 level (within 0.1 %), the paper b = 2 ahead; 4 and 8 must be worse there."""
+    at512 = {b: _megatron(FIG16, 8, 8, 512, b) for b in (1, 2, 4, 8)}
+    assert max(at512, key=at512.get) == 2
+    at128 = {b: _megatron(FIG16, 8, 8, 128, b) for b in (1, 2, 4, 8)}
+    assert at128[2] == pytest.approx(max(at128.values()), rel=1e-3)
+    assert max(at128[4], at128[8]) < at128[2]
+
+
+def test_zero3_falls_behind_ptd_p_as_gpus_double():
+    """Catches: ZeRO-3's cross-host parameter traffic left unpriced: doubling the GPUs at a fixed batch must
+    cut ZeRO-3's throughput per GPU roughly in half while PTD-P's stays within 10 % (Table 2, §5.2)."""
+    pred = {(r.table, r.params_b, r.gpus): r for r in MEGATRON_TABLE2}
+    zero = [predict(pred[("Table 2 ZeRO-3", 174.6, n)]) for n in (384, 768, 1536)]
+    ptd = [predict(pred[("Table 2 PTD-P", 174.6, n)]) for n in (384, 768, 1536)]
+    assert zero[2] < 0.35 * zero[0] and ptd[2] > 0.9 * ptd[0]
