@@ -23,8 +23,10 @@ import sys
 from loomtrain.cluster.cli import cluster_parser, cmd_cluster
 from loomtrain.config import Config, ConfigError, load_config
 from loomtrain.distributed.parallel_dims import launch_env
+from loomtrain.federated.cli import cmd_fl, fl_parser
 from loomtrain.interop.hf import resolve_init_from
 from loomtrain.launch import ElasticSpec, die_with_parent, launch
+from loomtrain.planner.cli import cmd_plan, plan_parser
 from loomtrain.preflight import check_launch, check_world, warn_if_oversubscribed
 from loomtrain.run_dir import apply_overwrite
 
@@ -296,10 +298,12 @@ def cmd_export(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "report": cmd_report, "cluster": cmd_cluster,
-            "bench": cmd_bench, "export": cmd_export}  # fmt: skip
+            "bench": cmd_bench, "export": cmd_export, "plan": cmd_plan,
+            "fl": cmd_fl}  # fmt: skip
 # Each command's argument parser, for its --help and the generated reference (docs/configuration.md).
 PARSERS = {"train": _train_parser, "generate": _generate_parser, "report": _report_parser, "cluster": cluster_parser,
-           "bench": _bench_parser, "export": _export_parser}  # fmt: skip
+           "bench": _bench_parser, "export": _export_parser, "plan": plan_parser,
+           "fl": fl_parser}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
