@@ -22,7 +22,7 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/loomtrain train --config configs/shakespeare_char.toml --nproc $(NPROC) --overwrite $(ARGS)
 
 test: $(STAMP) etcd
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow" --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow" --durations=40
 
 # etcd (Debian's etcd-server) for the rendezvous that survives any host's loss. Best effort:
 # where apt cannot install it (not root, no Debian, no network) its tests skip with the reason.

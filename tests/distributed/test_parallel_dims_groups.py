@@ -363,10 +363,14 @@ def test_group_and_rank_of_a_flattened_axis(facts, layout, axis, axes):
 @pytest.mark.parametrize("axis", list(Axis), ids=str)
 def test_group_or_none(facts, layout, axis):
     """Catches: ``group_or_none`` returning a group for an axis of one rank (a useless
-    collective) or None for a real one (norm or overflow not agreed across ranks)."""
+    collective) or None for a real one (norm or overflow not agreed across ranks); or, for the
+    2D grid axes of these 1D layouts, building a grid mesh that does not exist."""
     spec = Layout(LAYOUTS[layout])
     axes = {Axis.DP_SP: GRAD_AXES, Axis.DP_SHARD_SP: SHARD_AXES}.get(axis, (axis,))
     got = values(facts, layout, f"group_or_none:{axis}")
+    if axis in (Axis.TP_ROW, Axis.TP_COL):
+        assert got == [None] * WORLD, f"{layout} {axis}: {got}"
+        return
     expected = [None if len(m := spec.members(r, axes)) == 1 else m for r in range(WORLD)]
     assert got == expected, f"{layout} {axis}:\n{mismatches(got, expected)}"
 

@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,7 +55,14 @@ from torch import nn
 from loomtrain.config import DataParallelConfig
 from loomtrain.data import DistributedBatchLoader, eval_batches
 from loomtrain.distributed.data_parallel import CommHook
-from loomtrain.distributed.local_sgd import LocalOnlyHook, _load_optimizer_state, check_identical, flatten, write_flat
+from loomtrain.distributed.local_sgd import (
+    LocalOnlyHook,
+    _load_optimizer_state,
+    check_identical,
+    flatten,
+    holding,
+    write_flat,
+)
 from loomtrain.distributed.traffic import GRADIENT_AXIS
 from loomtrain.optim import lr_at, set_lr
 from loomtrain.profiling import StepProfiler
@@ -157,15 +164,9 @@ class AsyncOuter:
         self.global_flat.grad = None
         self.version += 1
 
-    @contextlib.contextmanager
-    def global_weights(self) -> Iterator[None]:
+    def global_weights(self) -> contextlib.AbstractContextManager[None]:
         """Inside it, the parameters hold ``θ_global``; this rank's own are back afterwards."""
-        local = flatten(self.params)
-        write_flat(self.global_flat, self.params)
-        try:
-            yield
-        finally:
-            write_flat(local, self.params)
+        return holding(self.params, self.global_flat)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: ``mode`` ("async"), ``global`` (1-D fp32 copy),

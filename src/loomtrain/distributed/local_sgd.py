@@ -112,6 +112,18 @@ def check_identical(flat: torch.Tensor, group: dist.ProcessGroup, what: str, chu
         )
 
 
+@contextlib.contextmanager
+def holding(params: list[nn.Parameter], flat: torch.Tensor) -> Iterator[None]:
+    """Inside it, ``params`` hold the values of ``flat`` (1-D, their concatenation in order, as
+    :func:`flatten` makes it); their own values are back afterwards, also after an error."""
+    local = flatten(params)
+    write_flat(flat, params)
+    try:
+        yield
+    finally:
+        write_flat(local, params)
+
+
 class OuterSync:
     """The outer loop of local SGD or DiLoCo over one dp ``group`` (see the module docstring).
 
@@ -198,16 +210,10 @@ class OuterSync:
         """``outer_sync_s`` (:attr:`wait_s`) and ``outer_steps`` for ``summary.json``."""
         return {"outer_sync_s": self.wait_s, "outer_steps": self.outer_steps}
 
-    @contextlib.contextmanager
-    def global_weights(self) -> Iterator[None]:
+    def global_weights(self) -> contextlib.AbstractContextManager[None]:
         """Inside it, the parameters hold ``θ_global`` (the same on every replica: what the run
         evaluates and checkpoints); each replica's ``θ_local`` is back afterwards."""
-        local = flatten(self.params)
-        write_flat(self.global_flat, self.params)
-        try:
-            yield
-        finally:
-            write_flat(local, self.params)
+        return holding(self.params, self.global_flat)
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's part of a checkpoint (tensors are copies or the live optimizer state):
