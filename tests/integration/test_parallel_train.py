@@ -53,7 +53,13 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     [
         # Slow: dp × tp runs below with ZeRO 3 and with Megatron SP + ZeRO 2, and in test_hsdp.py.
         pytest.param("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"], marks=pytest.mark.slow),
-        ("tp2_megatron_sp", 2, ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"]),
+        # Slow: dp2_tp2_megatron_sp_zero2 below runs Megatron SP too (with dp and ZeRO 2).
+        pytest.param(
+            "tp2_megatron_sp",
+            2,
+            ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"],
+            marks=pytest.mark.slow,
+        ),
         # Slow: whole-trainer repeats of compositions the distributed tests check layer by layer.
         pytest.param(
             "tp2_tied_head",
@@ -173,21 +179,38 @@ def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, two_wa
 GRID = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"]
 
 
+# The 2D runs of make test are 4 steps of 2 micro-batches with a checkpoint at 2: each
+# micro-batch is hundreds of small gloo collectives (SUMMA broadcasts), about 0.7 s here.
+SHORT = ["--training.steps=4", "--checkpoint.interval=2", "--training.global_batch_size=4"]
+
+
 @pytest.fixture(scope="module")
-def grid_dp2(tmp_path_factory):
-    """A dp 2 × 2D (2 × 2 grid) run on 8 processes: its summary and run directory (trained once)."""
+def grid(tmp_path_factory):
+    """A 2D (2 × 2 grid) run on 4 processes and its single-process reference, both 4 steps:
+    the 2D run's summary, its run directory and the reference's losses (trained once)."""
     out = tmp_path_factory.mktemp("grid")
-    return train(8, out, "dp2_grid", *GRID), out / "dp2_grid"
+    train(1, out, "single", *SHORT)
+    return train(4, out, "grid", *GRID, *SHORT), out / "grid", losses(out / "single")
 
 
-def test_2d_grid_with_dp_equals_single_process(reference, grid_dp2):
+def test_2d_grid_equals_single_process(grid):
     """Catches: a SUMMA block or its gradient on the wrong rank, the loss of one grid row only
-    (not averaged over the grid's rows), the 2D norm weights' gradient norm counted q times in
-    clipping (clipping is on; the norm would differ), or gradients averaged over tp ranks
-    instead of dp: any of these moves the losses of dp 2 × 2D away from the single process's."""
-    summary, run = grid_dp2
-    assert_close(losses(run), reference())
+    (not averaged over the grid's rows), or the 2D norm weights' gradient norm counted q times in
+    clipping (clipping is on; the norm would differ): any of these moves the 2D run's losses
+    away from the single process's."""
+    summary, run, want = grid
+    assert_close(losses(run), want)
     assert summary["comm_bytes_per_step_by_axis"]["tp_row"] > 0 and summary["comm_bytes_per_step_by_axis"]["tp_col"] > 0
+
+
+# Slow (make test-all, 45 s for 8 processes): the gradient average runs over the mesh's dp
+# group as under 1D tp; the grid changes only what each rank holds.
+@pytest.mark.slow
+def test_2d_grid_with_dp_equals_single_process(tmp_path, reference):
+    """Catches: gradients averaged over tp ranks instead of dp, or a dp group built across grid
+    positions: dp 2 × 2D's losses would move away from the single process's."""
+    train(8, tmp_path, "dp2_grid", *GRID)
+    assert_close(losses(tmp_path / "dp2_grid"), reference())
 
 
 # Slow (make test-all, 40 s for 8 processes): the executor sends whatever shape a stage makes
@@ -203,16 +226,17 @@ def test_2d_grid_with_pp_equals_single_process(tmp_path, reference):
 
 @pytest.mark.parametrize(("world", "extra"), [(1, []), (2, ["--parallel.tensor_parallel_degree=2"])],
                          ids=["to_one", "to_tp2_1d"])  # fmt: skip
-def test_2d_checkpoint_resumes_without_tp_and_with_1d_tp(tmp_path, reference, grid_dp2, world, extra):
+def test_2d_checkpoint_resumes_without_tp_and_with_1d_tp(tmp_path, grid, world, extra):
     """Catches: 2D blocks saved as if replicated (DCP would keep one rank's block), a padded
     vocabulary saved with its padding rows (the full head would not fit the unpadded model),
     the embedding's and the head's blocks transposed in the saved layout, or optimizer moments
     that do not reshard: the resumed run would not continue the 2D run's losses."""
-    _, run = grid_dp2
-    summary = train(world, tmp_path, "resumed", *extra, f"--checkpoint.resume={run / 'checkpoints' / 'step_00000005'}")
-    assert summary["start_step"] == 5
+    _, run, want = grid
+    checkpoint = run / "checkpoints" / "step_00000002"
+    summary = train(world, tmp_path, "resumed", *SHORT, *extra, f"--checkpoint.resume={checkpoint}")
+    assert summary["start_step"] == 2
     resumed = losses(tmp_path / "resumed")
-    assert_close({s: v for s, v in resumed.items() if s > 5}, {s: v for s, v in reference().items() if s > 5})
+    assert_close({s: v for s, v in resumed.items() if s > 2}, {s: v for s, v in want.items() if s > 2})
 
 
 @pytest.mark.slow  # 8 processes; the grid's attention is local per rank, so Ulysses wraps it unchanged

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
+
 from loomtrain import checkpoint
 from loomtrain.config import ConfigError
 from loomtrain.distributed.spawn import spawn
@@ -25,6 +27,9 @@ def hashed_resume(overrides: list[str]) -> tuple[list[str], dict]:
     return hashed, summary
 
 
+# Slow (make test-all, 16 s: two 2-process runs): a start-up cost, not a correctness property;
+# the bad-checkpoint test below covers rank 0 resolving for every rank.
+@pytest.mark.slow
 def test_a_resumed_start_hashes_each_checkpoint_file_once_on_rank_0(tmp_path):
     """Catches: checkpoint files hashed by every rank and again by rank 0's resolve (N + 2
     reads of every byte per start), and ranks resolving different checkpoints."""
