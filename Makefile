@@ -34,6 +34,7 @@ test-all: $(STAMP) etcd
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q
 
 bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_default.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_dp.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_zero.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_compression.py

@@ -17,8 +17,11 @@ parameters) gets full tensors in ``param_dtype``, swapped into the module around
   again before its backward, freed after each; the next unit's all-gather is launched
   asynchronously so it overlaps the current unit's compute.
 
-In stages 1 and 2 the updated shards are all-gathered at the first forward after an
-optimizer step (:meth:`ZeroSynchronizer.after_step`) or a checkpoint load. Gradient
+In stages 1 and 2 the updated shards are all-gathered during the first forward after an
+optimizer step (:meth:`ZeroSynchronizer.after_step`) or a checkpoint load, unit by unit as
+stage 3 gathers. Collective buffers come from a
+:class:`~loomtrain.distributed.zero_layout.BufferPool`; stages 2-3 keep at most two gradient
+reduce-scatters in flight (FSDP's limit too), so the pool holds two units' gradients. Gradient
 reduction runs unit by unit during backward, through the
 :class:`~loomtrain.distributed.data_parallel.CommHook` seam, launched in a fixed unit order so
 all ranks issue collectives in the same sequence.
@@ -45,7 +48,7 @@ from loomtrain.distributed.clip import clip_grad_norm_, split_by_tp
 from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, broadcast_module
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.sync import GradientSync, model_state_bytes
-from loomtrain.distributed.zero_layout import ShardLayout, TensorParallelLayout, Unit
+from loomtrain.distributed.zero_layout import BufferPool, ShardLayout, TensorParallelLayout, Unit
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class ZeroSynchronizer(GradientSync):
         self.stage, self.mp, self.tp, self.pp_group = stage, mp, tp, pp_group
         self.n, self.rank = self.layout.n, self.layout.rank
         self.units = self.layout.build_units(module, blocks)
+        self.buffers = BufferPool()
         self._state_bytes = {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
         self._stale = stage < 3  # stages 1-2: full copies are refreshed at the next forward
         self._next_launch = 0
@@ -104,24 +108,26 @@ class ZeroSynchronizer(GradientSync):
         if unit.pending is not None or unit.gathered:
             return
         dtype, device = self.mp.param_dtype, unit.slots[0].master.device
-        send = torch.empty(unit.shard_numel, dtype=dtype, device=device)
+        send = self.buffers.take(unit.shard_numel, dtype, device)
         self.layout.pack_masters(unit, send)
-        recv = torch.empty(self.n * unit.shard_numel, dtype=dtype, device=device)
+        recv = self.buffers.take(self.n * unit.shard_numel, dtype, device)
         # A list of narrow() views, not all_gather_into_tensor: gloo splits that output into
         # multi-output views, which autograd refuses to let its worker thread write into.
         parts = [recv.narrow(0, r * unit.shard_numel, unit.shard_numel) for r in range(self.n)]
-        unit.pending = (dist.all_gather(parts, send, group=self.shard_group, async_op=True), recv)
+        unit.pending = (dist.all_gather(parts, send, group=self.shard_group, async_op=True), send, recv)
 
     @torch.no_grad()
     def _ensure_gathered(self, unit: Unit) -> None:
-        if unit.pending is None and (unit.gathered or self.stage < 3):
+        if unit.pending is None and unit.gathered:
             return
         self._start_gather(unit)
-        work, recv = unit.pending
+        work, send, recv = unit.pending
         start = time.perf_counter()
         work.wait()
         self.blocked_s += time.perf_counter() - start
         self.layout.unpack_gathered(unit, recv)
+        self.buffers.give(send)
+        self.buffers.give(recv)
         unit.pending, unit.gathered = None, True
 
     def _free(self, unit: Unit) -> None:
@@ -134,19 +140,18 @@ class ZeroSynchronizer(GradientSync):
 
     def _root_pre_forward(self, module: nn.Module, args) -> None:
         if self._stale:
-            # Launch every refresh now; each unit waits for its own just before its forward.
-            for unit in (self.units[-1], *self.units[:-1]):
+            # Stages 1-2 refresh like stage 3 gathers: each unit just before its forward, the
+            # next one prefetched (two gathers' buffers at a time, not every unit's).
+            for unit in self.units:
                 unit.gathered = False
-                self._start_gather(unit)
             self._stale = False
         self._pre_forward(self.units[-1])
 
     def _pre_forward(self, unit: Unit) -> None:
         self._ensure_gathered(unit)
-        if self.stage == 3:
-            nxt = 0 if unit is self.units[-1] else unit.index + 1
-            if nxt < len(self.units) - 1:
-                self._start_gather(self.units[nxt])
+        nxt = 0 if unit is self.units[-1] else unit.index + 1
+        if nxt < len(self.units) - 1:
+            self._start_gather(self.units[nxt])
         if torch.is_grad_enabled():
             unit.produced = 0
         for slot in unit.slots:
@@ -191,7 +196,9 @@ class ZeroSynchronizer(GradientSync):
 
     @torch.no_grad()
     def _launch(self, unit: Unit) -> None:
-        flat = torch.empty(self.n * unit.shard_numel, dtype=self.mp.reduce_dtype, device=unit.slots[0].master.device)
+        if self.stage > 1:
+            self._retire_reductions(keep=1)
+        flat = self.buffers.take(self.n * unit.shard_numel, self.mp.reduce_dtype, unit.slots[0].master.device)
         matrices, missing = self.layout.pack_gradients(unit, flat)
         if missing and not self._warned_unused:
             self._warned_unused = True
@@ -199,12 +206,24 @@ class ZeroSynchronizer(GradientSync):
         bucket = GradBucket(unit.index, flat, [], [], [], matrices=matrices)
         start = time.perf_counter()
         if self.stage == 1:
-            unit.reduced = (self.hook.reduce(bucket, self.group), None)
+            unit.reduced = (self.hook.reduce(bucket, self.group), None, flat)
         else:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            unit.reduced = (self.hook.reduce_scatter(flat, out, self.shard_group, bucket), out)
+            unit.reduced = (self.hook.reduce_scatter(flat, out, self.shard_group, bucket), out, flat)
         self.overlap.launched(unit.reduced[0], start)
         self._next_launch += 1
+
+    def _retire_reductions(self, keep: int) -> None:
+        """Stages 2-3: wait for all but the ``keep`` latest reduce-scatters in flight and pool
+        their full-size buffers, so backward holds at most ``keep + 1`` of them (as FSDP
+        does), not a full model's gradients."""
+        order = self._reduce_order()[: self._next_launch]
+        in_flight = [u for u in order if u.reduced is not None and u.reduced[0] is not None]
+        for unit in in_flight[: max(0, len(in_flight) - keep)]:
+            handle, out, flat = unit.reduced
+            handle.wait()
+            self.buffers.give(flat)
+            unit.reduced = (None, out, None)
 
     def finish_gradient_sync(self) -> None:
         """Launch units still waiting for parameters that got no gradient (reduced as zeros,
@@ -230,11 +249,14 @@ class ZeroSynchronizer(GradientSync):
 
     def _wait_reduced(self, unit: Unit) -> torch.Tensor:
         """This rank's part of ``unit``'s averaged gradient, once its reduction is done."""
-        handle, out = unit.reduced
-        value = handle.wait()
+        handle, out, flat = unit.reduced
+        value = None if handle is None else handle.wait()
         if out is None:  # stage 1: the all-reduce future's value is the whole flat buffer
             value = value[0] if isinstance(value, list) else value
+            unit.flat = flat  # the reduced gradient may be a view of it: pooled at zero_grad
             return value.view(self.n, unit.shard_numel)[self.rank]
+        if flat is not None:
+            self.buffers.give(flat)
         if self.replica_group is not None:
             self.hook.average_replicas(out, self.replica_group)
         return out
@@ -244,7 +266,10 @@ class ZeroSynchronizer(GradientSync):
         prefetch a block of another stage): the optimizer step makes their data stale."""
         for unit in self.units:
             if unit.pending is not None:
-                unit.pending[0].wait()
+                work, send, recv = unit.pending
+                work.wait()
+                self.buffers.give(send)
+                self.buffers.give(recv)
                 unit.pending = None
 
     def _set_master_grads(self) -> None:
@@ -309,6 +334,9 @@ class ZeroSynchronizer(GradientSync):
             self._state_bytes = {k: max(v, self._state_bytes[k]) for k, v in measured.items()}
         for unit in self.units:
             unit.grad = None
+            if unit.flat is not None:
+                self.buffers.give(unit.flat)
+                unit.flat = None
             for slot in unit.slots:
                 slot.master.grad = None
                 slot.full.grad = None

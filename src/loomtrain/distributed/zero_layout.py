@@ -99,10 +99,55 @@ class Unit:
     padded: bool  # some parameter's dim 0 does not divide by N: its padding rows must read zero
     produced: int = 0
     ready: bool = False
-    pending: tuple | None = None  # (work, flat) of an all-gather in flight
+    pending: tuple | None = None  # (work, send, recv) of an all-gather in flight
     gathered: bool = False
-    reduced: tuple | None = None  # (handle, out) of the gradient reduction in flight
+    reduced: tuple | None = None  # (handle, out, flat) of the gradient reduction (handle None once waited)
     grad: torch.Tensor | None = None  # this rank's part of the reduced gradient, in reduce_dtype
+    flat: torch.Tensor | None = None  # stage 1: the pooled buffer ``grad`` may view, until zero_grad
+
+
+class BufferPool:
+    """Reusable 1-D buffers for ZeRO's collectives (gather inputs and outputs, gradient
+    buffers), by dtype and device: :meth:`take` a buffer, :meth:`give` it back once its
+    collective is done.
+
+    Why: on CPU a fresh tensor of many megabytes is fresh memory from the kernel, and the
+    first write to each page faults. Allocating every unit's buffers every step made our
+    ZeRO-1 step 1.27x the step of torch's ``ZeroRedundancyOptimizer`` (``docs/performance.md``);
+    a copy into a fresh 25 MB buffer took 9.7 ms against 1.4 ms into a reused one. CUDA's
+    caching allocator already reuses memory; this pool does so on every device.
+
+    The pool holds no more buffers than were in use at once (:attr:`nbytes` counts them).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}
+        self.nbytes = 0
+
+    @torch.no_grad()
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements (contents undefined) on a pooled buffer's memory."""
+        free = self._free.setdefault((dtype, device), [])
+        fits = [i for i, buf in enumerate(free) if buf.numel() >= numel]
+        if fits:
+            buf = free.pop(min(fits, key=lambda i: free[i].numel()))
+        else:
+            if free:  # none fits: replace the largest free buffer, so the pool does not grow
+                self.nbytes -= free.pop(max(range(len(free)), key=lambda i: free[i].numel())).nbytes
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self.nbytes += buf.nbytes
+        # set_ rather than a slice: a slice is an autograd view of the pooled buffer, and one
+        # buffer lent in grad mode (a forward hook's gather) and then in no-grad mode (a
+        # backward reduction) failed autograd's check on in-place writes through views.
+        lent = torch.empty(0, dtype=dtype, device=device).set_(buf.untyped_storage(), 0, (numel,))
+        self._lent[lent.data_ptr()] = buf
+        return lent
+
+    def give(self, lent: torch.Tensor) -> None:
+        """Return a tensor from :meth:`take` (no longer in use by any collective)."""
+        buf = self._lent.pop(lent.data_ptr())
+        self._free.setdefault((buf.dtype, buf.device), []).append(buf)
 
 
 class ShardLayout:
