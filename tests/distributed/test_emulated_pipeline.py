@@ -47,12 +47,9 @@ def case_name(schedule: str, m: int, v: int) -> str:
     return f"{schedule}_m{m}" + (f"_v{v}" if v > 1 else "")
 
 
-WORLD = 8  # one pipeline of 8 ranks, or two of 4 running side by side
-
-
 def measure(full: bool, pp: int) -> dict:
-    """Every case of :func:`cases` at ``pp`` 4 (two pipelines at once) or 8, named
-    ``pp<N>/<case>``, after one warm-up step that opens every channel (its first message carries
+    """Every case of :func:`cases` at ``pp`` 4 or 8 (as many pipelines as the world holds, side by
+    side), named ``pp<N>/<case>``, after one warm-up step that opens every channel (its first message carries
     the shape header)."""
     dev, comm = device(DEVICE), PipelineComm.consecutive(pp)
     measure_step(comm, MODEL, "interleaved_1f1b", pp, 2, SEQ_LEN, MICRO_BATCH, dev)
@@ -61,9 +58,9 @@ def measure(full: bool, pp: int) -> dict:
                        for case in cases(pp, full)})  # fmt: skip
 
 
-def _check(pp: int, full: bool) -> None:
-    results = spawn_once(measure, WORLD, full, pp, timeout_s=900)
-    for case, first in itertools.product(cases(pp, full), range(0, WORLD, pp)):
+def _check(pp: int, full: bool, world: int = 8) -> None:
+    results = spawn_once(measure, world, full, pp, timeout_s=900)
+    for case, first in itertools.product(cases(pp, full), range(0, world, pp)):
         name = f"pp{pp}/{case_name(*case)}"
         got = check_result(results, name, first)  # each pipeline's first rank
         assert abs(got["bubble"] - got["theory"]) <= BUBBLE_POINTS, (name, got)
@@ -74,18 +71,16 @@ def _check(pp: int, full: bool) -> None:
         assert v4["bubble"] < 0.05, v4
 
 
-# Slow (make test-all, about 38 s): the bubble and step checks read clocks of 8 ranks on 2 cores,
-# timings that belong with the benchmark (bench_emulated_pipeline.py); make test keeps the cost
-# model (tests/unit/test_emulated_device.py) and an emulated run (tests/integration/test_emulated_run.py).
-@pytest.mark.slow
-def test_emulated_bubbles_follow_theory_pp4():
+# One pipeline of 4 ranks (make test); two side by side, 8 ranks on 2 cores, in make test-all.
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_emulated_bubbles_follow_theory_pp4(world):
     """Catches: an executor that runs a schedule's actions out of order or lets an action start before
     its input was computed (the device clocks follow the stamps the transfers carry), a schedule whose
     order leaves more idle time than its formula (GPipe and 1F1B (p-1)/(m+p-1) = 27 %, interleaved
     v = 2 (p-1)/(vm+p-1) = 16 % at m = 8; v = 4, m = 32: 2.3 %, the seed article's "below 5 %"), a
     ZB-H1 run whose W runs inside B (1F1B's 27 % instead of 11 %), and a host whose own time per
     action stalls the emulated devices (step time past the replay)."""
-    _check(4, full=False)
+    _check(4, full=False, world=world)
 
 
 # Slow (make test-all, about 20 s): 8 ranks on 2 cores is where the host can fall behind the

@@ -27,6 +27,7 @@ from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecis
 from loomtrain.distributed.parallel_dims import ParallelDims
 from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.spawn import spawn
+from loomtrain.distributed.sync import GradientSync
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.models import Transformer
@@ -125,6 +126,27 @@ def fp16_overflow_skips_step() -> tuple[bool, float, float, bool]:
     return stepped, 1024.0, scaler.scale, unchanged
 
 
+def local_step_matches_dtensor_step(stage: int) -> tuple[bool, bool, bool]:
+    """AdamW (with weight decay) on the masters' local shards and on the DTensors themselves,
+    3 steps from the same start: (parameters equal bit for bit, moments equal bit for bit,
+    every moment a DTensor placed like its parameter between steps)."""
+    runs = []
+    for local in (True, False):
+        model, sync = build(stage)
+        opt = build_optimizer(model, config(1.0).training)
+        (sync.attach_optimizer if local else partial(GradientSync.attach_optimizer, sync))(opt)
+        for step in range(3):
+            run_step(model, sync, opt, micro_batches(step, dist.get_world_size(), 1), config(1.0))
+        runs.append((list(model.parameters()), opt))
+    (params, opt), (ref_params, ref_opt) = runs
+    same_params = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, ref_params, strict=True))
+    moments = [(opt.state[p][k], ref_opt.state[q][k]) for p, q in zip(params, ref_params, strict=True)
+               for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+    same_moments = all(torch.equal(a.to_local(), b.to_local()) for a, b in moments)
+    placed = all(isinstance(p, DTensor) and opt.state[p]["exp_avg"].placements == p.placements for p in params)
+    return same_params, same_moments, placed
+
+
 CKPT_STEPS = 2
 
 
@@ -157,6 +179,7 @@ def zero_checks(world: int, ckpt_dir: str) -> dict:
     if world == 2:
         checks["fp16 overflow"] = fp16_overflow_skips_step
         checks |= {f"unused stage {stage}": partial(unused_parameter_grads, stage) for stage in (1, 2, 3)}
+        checks |= {f"local step stage {stage}": partial(local_step_matches_dtensor_step, stage) for stage in (1, 3)}
         for stage in (3, 1):
             checks[f"load stage {stage}"] = partial(load_then_continue, ckpt_dir, (stage,), CKPT_STEPS)
     return run_checks(checks)
@@ -331,6 +354,18 @@ def test_stage3_checkpoint_reshards_to_other_world_sizes_and_stages(world4, worl
         for key, want in saved.items():
             torch.testing.assert_close(state[key], want, rtol=0, atol=0, msg=lambda m, k=f"{where} {key}": f"{k}: {m}")
         assert loss == pytest.approx(loss_next, rel=1e-5), where
+
+
+def test_optimizer_steps_local_shards_exactly_as_it_would_step_dtensors(world2):
+    """Catches: the local-shard step (``LocalShardStep``) updating other memory than the
+    masters' (parameters or moments would then differ from the DTensor step), or leaving
+    plain tensors in the optimizer state, which DCP would save as replicated and so mix up
+    the ranks' shards on resume."""
+    for stage in (1, 3):
+        same_params, same_moments, placed = check_result(world2, f"local step stage {stage}")
+        assert same_params, f"stage {stage}: parameters differ from the DTensor step's"
+        assert same_moments, f"stage {stage}: AdamW moments differ from the DTensor step's"
+        assert placed, f"stage {stage}: optimizer state is not DTensors placed like the masters"
 
 
 def test_bad_zero_settings_are_refused_by_the_config():

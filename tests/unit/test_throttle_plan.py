@@ -1,10 +1,13 @@
 """The pure parts of ``loomtrain.cluster.throttle``: which core each throttled rank gets, and
-``simulate.speed_change`` parsing (no root, no cgroups)."""
+``simulate.speed_change`` parsing, the retry of a group's set-up (no root, no cgroups)."""
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
+from loomtrain.cluster import throttle
 from loomtrain.cluster.throttle import CORE_CAP, SpeedChange, parse_speed_changes, plan_cores
 
 
@@ -75,3 +78,20 @@ def test_bad_speed_change_names_field_and_format(entry, needle):
     with pytest.raises(ValueError, match=r"simulate.speed_change\[1\]") as e:
         parse_speed_changes(["10:0:0.5", entry])
     assert needle in str(e.value) and 'write "step:rank:speed", e.g. "200:1:0.25"' in str(e.value)
+
+
+def test_group_is_made_again_when_a_sweep_removed_its_parent_mid_setup(tmp_path, monkeypatch):
+    """Catches: a throttled rank failing its start with ENODEV (seen in test_balance_train) when
+    another rank's sweep removed the empty ``loomtrain`` parent between our ``mkdir`` of it and
+    the write of its weight: cgroupfs then answers ENODEV, not ENOENT, and must be retried too."""
+    ctrl = throttle._Controller(tmp_path, 1)
+    failures = [OSError(errno.ENODEV, "No such device")]
+
+    def make_parent(c):
+        c.parent.mkdir(exist_ok=True)
+        if failures:
+            raise failures.pop()
+
+    monkeypatch.setattr(throttle, "_make_parent", make_parent)
+    assert throttle._make_group(ctrl, "loomtrain-x@1.2") == tmp_path / throttle.PARENT / "loomtrain-x@1.2"
+    assert not failures

@@ -320,7 +320,8 @@ def _make_parent(ctrl: _Controller) -> None:
 
 def _make_group(ctrl: _Controller, name: str) -> Path:
     """Makes ``loomtrain/<name>``; retried if another process's sweep removed the empty parent
-    after our ``mkdir`` of it, before the group was made in it."""
+    after our ``mkdir`` of it, before the group was made in it (a write into the removed
+    parent's files then fails with ENODEV, a ``mkdir`` in it with ENOENT)."""
     group = ctrl.parent / name
     for _ in range(5):
         try:
@@ -329,6 +330,9 @@ def _make_group(ctrl: _Controller, name: str) -> Path:
             return group
         except FileNotFoundError:
             continue
+        except OSError as err:
+            if err.errno != errno.ENODEV:
+                raise
         except FileExistsError:
             raise ConfigError(
                 f"{group} exists: this process is already throttled with this tag; close it first"

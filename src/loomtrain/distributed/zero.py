@@ -46,11 +46,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from loomtrain.distributed.clip import clip_grad_norm_, split_by_tp
 from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, broadcast_module
+from loomtrain.distributed.local_step import LocalShardStep
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.sync import GradientSync, model_state_bytes
 from loomtrain.distributed.zero_layout import BufferPool, ShardLayout, TensorParallelLayout, Unit
 
 log = logging.getLogger(__name__)
+
+# Optimizers whose update of an element reads only that element's parameter, gradient and
+# state: stepping a rank's rows alone gives the same result (see LocalShardStep).
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 class ZeroSynchronizer(GradientSync):
@@ -283,6 +288,15 @@ class ZeroSynchronizer(GradientSync):
                     slot.master.grad = self.layout.master_grad(slot, unit.grad)
 
     # ----- optimizer step ----------------------------------------------------------------
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer that steps the masters (its state is counted in :meth:`state_bytes`).
+        SGD, Adam and AdamW step the masters' local shards (:class:`LocalShardStep`: the same
+        arithmetic without DTensor dispatch); other optimizers step the DTensors."""
+        super().attach_optimizer(optimizer)
+        if type(optimizer) in ELEMENTWISE_OPTIMIZERS and not getattr(optimizer, "_loomtrain_local_step", False):
+            LocalShardStep(optimizer)
+            optimizer._loomtrain_local_step = True
 
     def _check_groups(self) -> list[dist.ProcessGroup]:
         """Where the other pieces of the gradient live: the shard group, then the tensor- and
