@@ -35,6 +35,7 @@ test-all: $(STAMP) etcd
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_default.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/cpu_time_default.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_dp.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_zero.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_compression.py
