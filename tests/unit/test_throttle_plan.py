@@ -9,6 +9,7 @@ import pytest
 
 from loomtrain.cluster import throttle
 from loomtrain.cluster.throttle import CORE_CAP, SpeedChange, parse_speed_changes, plan_cores
+from loomtrain.config import ConfigError
 
 
 def core_loads(speeds: list[float], plan: list[int], n_cores: int) -> list[float]:
@@ -95,3 +96,13 @@ def test_group_is_made_again_when_a_sweep_removed_its_parent_mid_setup(tmp_path,
     monkeypatch.setattr(throttle, "_make_parent", make_parent)
     assert throttle._make_group(ctrl, "loomtrain-x@1.2") == tmp_path / throttle.PARENT / "loomtrain-x@1.2"
     assert not failures
+
+
+def test_a_group_that_exists_already_is_refused_with_the_fix(tmp_path):
+    """Catches: the ENODEV retry swallowing FileExistsError (an OSError too) ahead of its own
+    handler, so a second throttle of one process raised a bare FileExistsError instead of the
+    error that says to close the first."""
+    ctrl = throttle._Controller(tmp_path, 1)
+    (tmp_path / throttle.PARENT / "loomtrain-x@1.2").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already throttled with this tag; close it first"):
+        throttle._make_group(ctrl, "loomtrain-x@1.2")

@@ -330,13 +330,13 @@ def _make_group(ctrl: _Controller, name: str) -> Path:
             return group
         except FileNotFoundError:
             continue
-        except OSError as err:
-            if err.errno != errno.ENODEV:
-                raise
         except FileExistsError:
             raise ConfigError(
                 f"{group} exists: this process is already throttled with this tag; close it first"
             ) from None
+        except OSError as err:  # after FileExistsError, which is an OSError too
+            if err.errno != errno.ENODEV:
+                raise
     raise OSError(errno.ENOENT, f"cannot make {group}: its parent keeps disappearing")
 
 
