@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 RESULTS = ROOT / "benchmarks" / "results" / "default.json"
 WARMUP = 10
+LAST_BEFORE_FINAL = 10  # steps before the final one of the last timed record (the log interval)
 RUNS = {
     "plain_b12": ("plain", 12),
     "plain_b6": ("plain", 6),
@@ -67,7 +68,7 @@ def plain_loop(batch: int, steps: int) -> float:
     model = Transformer(cfg.model)
     opt = build_optimizer(model, cfg.training)
     seq, gen = cfg.training.seq_len, torch.Generator().manual_seed(0)
-    for step in range(steps - 10):  # as the loomtrain runs' span: steps WARMUP .. steps - 10
+    for step in range(steps - LAST_BEFORE_FINAL):  # the loomtrain runs' span
         if step == WARMUP:
             start = time.perf_counter()
         ix = torch.randint(len(tokens) - seq - 1, (batch,), generator=gen)
@@ -78,22 +79,29 @@ def plain_loop(batch: int, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return batch * seq * (steps - 10 - WARMUP) / (time.perf_counter() - start)
+    return batch * seq * (steps - LAST_BEFORE_FINAL - WARMUP) / (time.perf_counter() - start)
+
+
+def job_overrides(steps: int, micro_batch: int) -> list[str]:
+    """The default job for ``steps`` steps at ``micro_batch`` per rank, with no evaluation
+    before the last step, no checkpoint and no sample (``section.field=value`` overrides)."""
+    return [f"training.steps={steps}", f"training.micro_batch_size={micro_batch}",
+            f"training.eval_interval={steps + 1}", "checkpoint.enabled=false", "sample.max_new_tokens=0"]  # fmt: skip
 
 
 def loomtrain_run(nproc: int, micro_batch: int, steps: int, out_dir: str) -> float:
     """Tokens/s of ``loomtrain train`` on the default config, from its ``metrics.jsonl``."""
     name = f"bench_default_{nproc}"
     cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", str(CONFIG), "--nproc", str(nproc),
-           "--overwrite", f"--run.out_dir={out_dir}", f"--run.name={name}", f"--training.steps={steps}",
-           f"--training.micro_batch_size={micro_batch}", f"--training.eval_interval={steps + 1}",
-           "--checkpoint.enabled=false", "--sample.max_new_tokens=0"]  # fmt: skip
+           "--overwrite", f"--run.out_dir={out_dir}", f"--run.name={name}",
+           *(f"--{o}" for o in job_overrides(steps, micro_batch))]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = [json.loads(line) for line in (Path(out_dir) / name / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in records if "time" in r}
-    first, last = WARMUP, steps - 10
-    return 12 * 64 * (last - first) / (times[last] - times[first])
+    first, last = WARMUP, steps - LAST_BEFORE_FINAL
+    training = load_config(CONFIG).training
+    return training.global_batch_size * training.seq_len * (last - first) / (times[last] - times[first])
 
 
 def plain_processes(batch: int, steps: int, copies: int) -> float:

@@ -14,7 +14,7 @@ SHARD_GRAD_OP) communicates as ZeRO-2 does (gradients reduce-scattered, paramete
 once per step) but frees the full parameters after backward, so it holds less model state
 between steps than ZeRO-2, which keeps them (Rajbhandari et al. 2020, §5.2: P_os+g).
 
-Writes ``benchmarks/results/zero.json`` and prints the stage-1 and stage-2 ratios last.
+Writes ``benchmarks/results/zero.json`` and prints every stage's ratio last.
 
     python benchmarks/bench_zero.py [--rounds 5 --steps 3 --layers 8 --dim 512 --batch 2]
 """

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_default import CONFIG, job_overrides
 
 from loomtrain.config import load_config
 from loomtrain.distributed.spawn import spawn
@@ -45,10 +46,8 @@ def run(steps: int, out_dir: str) -> dict[str, float]:
     """Wall seconds and CPU seconds (main thread, others) of one default-job run on this rank."""
     torch.set_num_threads(1)
     world = torch.distributed.get_world_size()
-    cfg = load_config(ROOT / "configs" / "shakespeare_char.toml", [
-        f"run.out_dir={out_dir}", "run.overwrite=true", f"training.steps={steps}",
-        f"training.micro_batch_size={12 // world}", "training.eval_interval=100000", "checkpoint.enabled=false",
-        "sample.max_new_tokens=0"])  # fmt: skip
+    micro_batch = load_config(CONFIG).training.global_batch_size // world
+    cfg = load_config(CONFIG, [f"run.out_dir={out_dir}", "run.overwrite=true", *job_overrides(steps, micro_batch)])
     before, start = thread_cpu_s(), time.perf_counter()
     train(cfg)
     wall, after = time.perf_counter() - start, thread_cpu_s()

@@ -126,14 +126,20 @@ class ZeroSynchronizer(GradientSync):
         if unit.pending is None and unit.gathered:
             return
         self._start_gather(unit)
-        work, send, recv = unit.pending
+        work, _, recv = unit.pending
         start = time.perf_counter()
         work.wait()
         self.blocked_s += time.perf_counter() - start
         self.layout.unpack_gathered(unit, recv)
+        self._release_gather(unit)
+        unit.gathered = True
+
+    def _release_gather(self, unit: Unit) -> None:
+        """The gather of ``unit`` is done and unpacked (or dropped): pool its buffers."""
+        _, send, recv = unit.pending
         self.buffers.give(send)
         self.buffers.give(recv)
-        unit.pending, unit.gathered = None, True
+        unit.pending = None
 
     def _free(self, unit: Unit) -> None:
         if self.stage == 3 and unit.gathered:
@@ -271,11 +277,8 @@ class ZeroSynchronizer(GradientSync):
         prefetch a block of another stage): the optimizer step makes their data stale."""
         for unit in self.units:
             if unit.pending is not None:
-                work, send, recv = unit.pending
-                work.wait()
-                self.buffers.give(send)
-                self.buffers.give(recv)
-                unit.pending = None
+                unit.pending[0].wait()
+                self._release_gather(unit)
 
     def _set_master_grads(self) -> None:
         """Give each master without one an fp32 ``.grad`` from its unit's reduced shard (a view
