@@ -5,16 +5,21 @@ the Fig. 13 (t, p) ranking of the 162.2B GPT on 64 A100s and the Fig. 16 micro-b
 at t = p = 8; the time of a 1,024-GPU layout search for each of the presets llama3-8b, llama3-70b,
 llama3-405b and gpt3-175b on the DGX A100 and H100 specs, with each search's best layout; and the 22-row
 MAPE last. Writes ``benchmarks/results/planner.json``. Every figure except the published ones and the
-search times is a model prediction.
+search times is a model prediction. Before them (unless ``--skip-own-runs``), the own-run check of
+``benchmarks/planner_own_runs.py``: real loomtrain runs at world 2 and 4 against the predictions from
+this machine's calibrated specs, and ``--parallel.auto``'s choice against the best of them.
 
-    python benchmarks/bench_planner.py
+    python benchmarks/bench_planner.py [--skip-own-runs]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
+
+from planner_own_runs import auto_runs, own_runs
 
 from loomtrain.planner.arch import gpt
 from loomtrain.planner.cli import resolve_model
@@ -68,6 +73,14 @@ def searches() -> list[dict]:
 
 def main() -> None:
     """Run everything, write the JSON, print the tables and the 22-row MAPE last."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-own-runs", action="store_true",
+                        help="leave out the real runs on this machine (about 15 minutes on 2 cores)")  # fmt: skip
+    args = parser.parse_args()
+    own = None if args.skip_own_runs else own_runs()
+    if own is not None:
+        own["auto"] = auto_runs(own["rows"])
+        print(f"own runs: MAPE {100 * own['mape']:.1f} %, Kendall tau {own['kendall_tau']:.3f}")
     rows = table_rows()
     print("| table | params (B) | t | p | GPUs | batch | b | published TFLOP/s | predicted | error |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -84,8 +97,9 @@ def main() -> None:
     summary = {"rows": len(errs), "mape_percent": round(mape(errs), 2),
                "worst_row_percent": round(100 * max(errs, key=abs), 2),
                "best_constant_mape_percent": round(mape(constant_predictor_errors(MEGATRON_RUNS)), 2)}  # fmt: skip
-    RESULTS.write_text(json.dumps({"published": rows, "rankings": ranks, "searches": found, "summary": summary},
-                                  indent=2) + "\n")  # fmt: skip
+    previous = json.loads(RESULTS.read_text()).get("own_runs") if RESULTS.is_file() else None
+    RESULTS.write_text(json.dumps({"published": rows, "rankings": ranks, "searches": found, "summary": summary,
+                                   "own_runs": own or previous}, indent=2) + "\n")  # fmt: skip
     print(f"best constant predictor MAPE {summary['best_constant_mape_percent']:.1f} %; worst row "
           f"{summary['worst_row_percent']:+.1f} %")  # fmt: skip
     print(f"22-row MAPE (Megatron-LM Tables 1 + 2): {summary['mape_percent']:.1f} %")

@@ -26,6 +26,7 @@ from loomtrain.distributed.parallel_dims import launch_env
 from loomtrain.federated.cli import cmd_fl, fl_parser
 from loomtrain.interop.hf import resolve_init_from
 from loomtrain.launch import ElasticSpec, die_with_parent, launch
+from loomtrain.planner.auto import auto_cluster, check_explicit, choose_layout, describe, file_fields
 from loomtrain.planner.cli import cmd_plan, plan_parser
 from loomtrain.preflight import check_launch, check_world, warn_if_oversubscribed
 from loomtrain.run_dir import apply_overwrite
@@ -67,7 +68,11 @@ def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], C
         overrides.append(f"--checkpoint.resume={args.resume}")
     if args.overwrite:
         overrides.append("--run.overwrite=true")
-    return args, overrides, resolve_init_from(load_config(args.config, overrides))
+    cfg = load_config(args.config, overrides)
+    check_explicit(cfg, rest)
+    # Before resolve_init_from, whose re-validated full dump marks every field as given.
+    args.replaced = file_fields(cfg) if cfg.parallel.auto else []
+    return args, overrides, resolve_init_from(cfg)
 
 
 def _elastic_spec(args: argparse.Namespace, cfg: Config) -> ElasticSpec | None:
@@ -97,6 +102,10 @@ def _elastic_spec(args: argparse.Namespace, cfg: Config) -> ElasticSpec | None:
 def cmd_train(argv: list[str]) -> int:
     args, overrides, cfg = _parse_train_args(argv)
     if _inside_launcher():
+        if cfg.parallel.auto:
+            raise ConfigError("parallel.auto=true plans in the `loomtrain train` launcher, not in torchrun's "
+                              "workers; launch with `loomtrain train --nproc N`, or print the layout with "
+                              "`loomtrain plan` and set it")  # fmt: skip
         die_with_parent()
         return _run_worker(cfg)
     if args.cluster is not None:
@@ -106,6 +115,8 @@ def cmd_train(argv: list[str]) -> int:
     if cfg.distributed.rendezvous != "c10d":
         raise ConfigError("--distributed.rendezvous=etcd runs one etcd member per host of an emulated cluster; "
                           "use it with --cluster, or drop it")  # fmt: skip
+    if cfg.parallel.auto:
+        overrides, cfg = _auto_layout(args, overrides, cfg, args.nproc)
     check_launch(cfg, args.nproc)
     warn_if_oversubscribed(args.nproc)
     elastic = _elastic_spec(args, cfg)
@@ -113,6 +124,24 @@ def cmd_train(argv: list[str]) -> int:
         return _run_worker(cfg)
     return launch(args.nproc, _worker_argv(args, overrides, cfg, elastic), elastic, cfg.run_dir,
                   f"loomtrain-{cfg.run.name}")  # fmt: skip
+
+
+def _auto_layout(args: argparse.Namespace, overrides: list[str], cfg: Config, world: int) -> tuple[list[str], Config]:
+    """``parallel.auto=true`` in the launcher: the planner's layout for ``world`` processes, printed;
+    returns the overrides with the choice's appended (so the workers run it without planning) and
+    the config that runs it.
+
+    Raises:
+        ConfigError: elastic bounds that allow another world size, or what :func:`choose_layout` raises.
+    """
+    if args.elastic and any(n not in (None, args.nproc) for n in (args.min_nproc, args.max_nproc)):
+        raise ConfigError("parallel.auto=true plans for one world size; with --elastic drop --min-nproc/--max-nproc, "
+                          "or drop parallel.auto")  # fmt: skip
+    choice = choose_layout(cfg, world, auto_cluster(cfg, world))
+    print(describe(choice), flush=True)
+    if args.replaced:
+        print(f"  the plan replaces the config file's {', '.join(args.replaced)}", flush=True)
+    return overrides + choice.overrides, choice.config
 
 
 def _worker_argv(args: argparse.Namespace, overrides: list[str], cfg: Config, elastic: ElasticSpec | None) -> list[str]:
@@ -161,6 +190,14 @@ def _train_on_cluster(args: argparse.Namespace, overrides: list[str], cfg: Confi
     if args.nproc not in (1, nproc):
         raise ConfigError(f"--nproc={args.nproc} differs from cluster '{args.cluster}''s {nproc} procs per host; "
                           "drop --nproc (the cluster sets it)")  # fmt: skip
+    if cfg.parallel.auto:
+        if not cfg.parallel.auto_cluster:
+            raise ConfigError("parallel.auto=true with --cluster needs parallel.auto_cluster, a spec of the emulated "
+                              "cluster's hosts and links (configs/clusters/*.toml format): this machine's measured "
+                              "spec does not see the emulated links")  # fmt: skip
+        if args.min_nodes not in (None, hosts):
+            raise ConfigError("parallel.auto=true plans for one world size; drop --min-nodes, or drop parallel.auto")
+        overrides, cfg = _auto_layout(args, overrides, cfg, hosts * nproc)
     check_launch(cfg, hosts * nproc)
     elastic = _cluster_elastic_spec(args, cfg, hosts, nproc)
     worker = ["-m", "loomtrain.cli", "train", *_worker_argv(args, overrides, cfg, elastic)]

@@ -582,6 +582,11 @@ class ParallelConfig(_Section):
     are split by count (``pipeline_split="layers"``) or balanced by their measured forward and
     backward time (``"time"``); ``stage_boundaries`` (the first layer of every stage but the
     first) overrides both. See docs/pipeline.md.
+
+    ``auto=True`` lets the planner choose all of these, ``data_parallel.zero_stage``,
+    ``training.micro_batch_size`` and ``training.activation_checkpointing`` for the world size on the
+    cluster ``auto_cluster`` describes (``loomtrain.planner.auto``; docs/planner.md); those fields
+    must then be left unset.
     """
 
     data_parallel_degree: int = Field(
@@ -637,6 +642,22 @@ class ParallelConfig(_Section):
     stage_boundaries: list[int] = Field(
         default_factory=list,
         description="The first layer of every stage but the first, strictly increasing; overrides `pipeline_split`.",
+    )
+    auto: bool = Field(
+        False,
+        description=(
+            "Let the planner choose the layout: the degrees, `tp_mode`, the pipeline schedule and split, "
+            "`data_parallel.zero_stage`, `training.micro_batch_size` and `training.activation_checkpointing`, for "
+            "the world size and the memory of `auto_cluster`'s devices; `loomtrain train` prints its choice and "
+            "the runner-up and runs the choice. Those fields must be left unset. See docs/planner.md."
+        ),
+    )
+    auto_cluster: str = Field(
+        "",
+        description=(
+            "With `auto`: the cluster the planner prices layouts on, a spec file or a name in configs/clusters "
+            "(`dgx-a100`); empty: this machine, measured by `loomtrain plan --calibrate` and cached."
+        ),
     )
 
     @property

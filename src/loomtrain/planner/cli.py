@@ -25,20 +25,27 @@ def plan_parser() -> argparse.ArgumentParser:
         description="Rank the parallel layouts (dp/ZeRO/HSDP, tp, Megatron SP, Ulysses sp, pp, virtual stages, "
         "micro-batch, recomputation) of a model on a cluster by predicted step time.",
     )
-    p.add_argument("--model", required=True,
-                   help="a preset (llama3-8b, llama3-70b, gpt3-175b, ...) or a loomtrain config TOML")  # fmt: skip
-    p.add_argument("--cluster", required=True, help="a cluster spec TOML, or a name in configs/clusters (dgx-a100)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--model", help="a preset (llama3-8b, llama3-70b, gpt3-175b, ...) or a loomtrain config TOML")
+    p.add_argument("--cluster", help="a cluster spec TOML, or a name in configs/clusters (dgx-a100)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all of the cluster's)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="share of device memory the predicted bytes may fill (default 0.9)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine instead (GEMM rate by size, memory bandwidth, all-reduce per group "
+                   "size) and write its cluster spec; --model/--cluster/--global-batch are not used")  # fmt: skip
+    p.add_argument("--ranks", type=int, default=2,
+                   help="with --calibrate: processes measuring at once, a power of two (default 2)")  # fmt: skip
+    p.add_argument("--out", help="with --calibrate: the spec file to write (default: the cache that "
+                   "--parallel.auto reads, printed below)")  # fmt: skip
     return p
 
 
 def resolve_model(name: str) -> Architecture:
-    """The :class:`Architecture` of a planner preset, a Llama preset or a loomtrain config TOML.
+    """The :class:`Architecture` of a planner preset, a Llama preset or a loomtrain config TOML (its
+    vocabulary from ``model.vocab_size``, or the char tokenizer's corpus: ``planner.auto.vocab_size``).
 
     Raises:
         ValueError: none of these; the message lists the presets.
@@ -52,8 +59,10 @@ def resolve_model(name: str) -> Architecture:
         return from_model_config(preset_config(name), name)
     if Path(name).is_file():
         from loomtrain.config import load_config
+        from loomtrain.planner.auto import vocab_size
 
-        return from_model_config(load_config(name).model, Path(name).stem)
+        cfg = load_config(name)
+        return from_model_config(cfg.model.model_copy(update={"vocab_size": vocab_size(cfg)}), Path(name).stem)
     known = ", ".join([*PRESETS, *ARCH_PRESETS])
     raise ValueError(f"--model={name!r}: not a file and not a preset; presets: {known}")
 
@@ -87,6 +96,13 @@ def report(result: SearchResult, spec: ClusterSpec, arch: Architecture, top: int
 def cmd_plan(argv: list[str]) -> int:
     """Run ``loomtrain plan``; prints the report, or ``error: ...`` and returns 2 on bad input."""
     args = plan_parser().parse_args(argv)
+    if args.calibrate:
+        return _calibrate(args.ranks, args.out)
+    names = ("model", "cluster", "global_batch")
+    missing = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is None]
+    if missing:
+        print(f"error: give {', '.join(missing)} (or --calibrate to measure this machine)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         arch = resolve_model(args.model)
         spec = load_cluster_spec(args.cluster)
@@ -96,4 +112,23 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(report(result, spec, arch, args.top, args.gpus))
+    return 0
+
+
+def _calibrate(ranks: int, out: str | None) -> int:
+    """Measure ``ranks`` processes on this machine, write the spec to ``out`` (default: the cache
+    :func:`~loomtrain.planner.calibrate.local_spec` reads) and print it."""
+    from loomtrain.cache import write_atomic
+    from loomtrain.planner.calibrate import cached_spec_path, calibrate
+
+    try:
+        text = calibrate(ranks)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    path = Path(out) if out else cached_spec_path(ranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text.encode())
+    print(text)
+    print(f"wrote {path}; use it with: loomtrain plan --cluster {path} --model ... --global-batch ...")
     return 0

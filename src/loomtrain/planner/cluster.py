@@ -21,6 +21,24 @@ and their sources. Format::
     inter_latency_us = 10
     link_efficiency = 0.8      # busbw a large collective reaches over the link bandwidth
 
+A spec may describe devices the table lacks (a calibrated machine: ``loomtrain plan --calibrate``,
+``planner/calibrate.py``) in ``[[devices]]`` tables that its hosts then name, and give a host's
+collective figures by group size::
+
+    [[devices]]
+    name = "local-cpu"
+    peak_tflops = 0.05          # fastest GEMM, TFLOP/s
+    memory_gb_per_s = 10        # memory bandwidth
+    memory_gib = 12             # memory per device
+    element_bytes = 4           # optional: bytes per element of the compute dtype (default 2, bf16)
+    gemm_curve = [[1e6, 0.01], [1e9, 0.05]]   # optional: measured [FLOPs, TFLOP/s] of GEMMs by size
+
+    [[hosts]]
+    ...
+    group_sizes = [2, 4]        # optional, with the two below: measured all-reduce busbw and
+    group_gb_per_s = [3.1, 2.2] # latency per ring step of groups of each size inside the host
+    group_latency_us = [40, 60]
+
 A heterogeneous spec is priced as its slowest and smallest parts (:meth:`ClusterSpec.to_cluster`):
 synchronous training waits for the slowest rank, and every rank of a layout holds the same share.
 """
@@ -33,14 +51,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from loomtrain.planner.cost import Device, device
+from loomtrain.planner.cost import DEVICES, Device, device
 from loomtrain.planner.time import Cluster
 
 # configs/clusters/ of the source tree (src/loomtrain/planner/cluster.py → repository root).
 SPEC_DIR = Path(__file__).resolve().parents[3] / "configs" / "clusters"
-_HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_latency_us", "gemm_efficiency"}
+_GROUP_FIELDS = ("group_sizes", "group_gb_per_s", "group_latency_us")
+_HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_latency_us", "gemm_efficiency",
+                *_GROUP_FIELDS}  # fmt: skip
+_DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve", "source"}
 _NETWORK_FIELDS = {"inter_gb_per_s", "inter_latency_us", "link_efficiency"}
-_TOP_FIELDS = {"name", "source", "hosts", "network"}
+_TOP_FIELDS = {"name", "source", "hosts", "network", "devices"}
 
 
 class ClusterSpecError(ValueError):
@@ -57,6 +78,7 @@ class HostGroup:
         intra_bytes_per_s: the host's GPU-to-GPU link, bytes/s per GPU and direction.
         intra_latency_s: seconds per ring step or send inside the host.
         gemm_efficiency: share of the device's peak the best-shaped GEMM reaches.
+        group_links: measured ``(group size, busbw bytes/s, latency s)`` inside the host (may be empty).
     """
 
     count: int
@@ -65,6 +87,7 @@ class HostGroup:
     intra_bytes_per_s: float
     intra_latency_s: float
     gemm_efficiency: float
+    group_links: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,7 +137,15 @@ class ClusterSpec:
             hosts=sum(g.count for g in self.hosts),
             name=self.name,
             source=self.source,
+            group_links=_slowest_links(self.hosts),
         )
+
+
+def _slowest_links(hosts: tuple[HostGroup, ...]) -> tuple[tuple[int, float, float], ...]:
+    """Per group size measured by every host group, its lowest busbw and highest latency."""
+    sizes = set.intersection(*({g[0] for g in h.group_links} for h in hosts))
+    rows = [[g for h in hosts for g in h.group_links if g[0] == size] for size in sorted(sizes)]
+    return tuple((r[0][0], min(g[1] for g in r), max(g[2] for g in r)) for r in rows)
 
 
 def _number(where: str, table: dict[str, Any], field: str, low: float, high: float = math.inf) -> float:
@@ -131,17 +162,95 @@ def _unknown(where: str, table: dict[str, Any], known: set[str]) -> None:
         raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
 
 
-def _host_group(where: str, table: Any) -> HostGroup:
+def _whole(where: str, table: dict[str, Any], field: str) -> int:
+    value = table.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ClusterSpecError(f"{where}.{field}={value!r}: give a whole number of at least 1")
+    return value
+
+
+def _numbers(where: str, table: dict[str, Any], field: str, length: int, low: float) -> list[float]:
+    values = table.get(field)
+    if not isinstance(values, list) or len(values) != length:
+        raise ClusterSpecError(f"{where}.{field}={values!r}: give a list of {length} numbers, one per group size")
+    return [_number(where, {field: v}, field, low) for v in values]
+
+
+def _group_links(where: str, table: dict[str, Any]) -> tuple[tuple[int, float, float], ...]:
+    present = [f for f in _GROUP_FIELDS if f in table]
+    if not present:
+        return ()
+    if len(present) < len(_GROUP_FIELDS):
+        raise ClusterSpecError(f"{where}: give all of {', '.join(_GROUP_FIELDS)} or none (found {', '.join(present)})")
+    sizes = table["group_sizes"]
+    whole = isinstance(sizes, list) and all(isinstance(g, int) and not isinstance(g, bool) and g >= 2 for g in sizes)
+    if not whole or not sizes or len(set(sizes)) != len(sizes):
+        raise ClusterSpecError(f"{where}.group_sizes={sizes!r}: give a list of distinct whole numbers of at least 2")
+    busbw = _numbers(where, table, "group_gb_per_s", len(sizes), 0)
+    latency = _numbers(where, table, "group_latency_us", len(sizes), -1e-12)
+    return tuple(sorted((s, b * 1e9, t / 1e6) for s, b, t in zip(sizes, busbw, latency, strict=True)))
+
+
+def _curve(where: str, value: Any) -> tuple[tuple[float, float], ...]:
+    ok = isinstance(value, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int | float) and x > 0 for x in p) for p in value
+    )
+    if not ok or not value:
+        raise ClusterSpecError(f"{where}.gemm_curve={value!r}: give a list of [FLOPs, TFLOP/s] pairs, both positive")
+    return tuple(sorted((float(f), float(r) * 1e12) for f, r in value))
+
+
+def _spec_device(where: str, table: Any) -> Device:
+    """A ``[[devices]]`` table as a :class:`~loomtrain.planner.cost.Device`."""
+    if not isinstance(table, dict) or not isinstance(table.get("name"), str) or not table["name"]:
+        raise ClusterSpecError(f"{where}: each [[devices]] entry must be a table with a name")
+    _unknown(where, table, _DEVICE_FIELDS)
+    peak = _number(where, table, "peak_tflops", 0) * 1e12
+    element_bytes = table.get("element_bytes", 2)
+    if element_bytes not in (1, 2, 4, 8):
+        raise ClusterSpecError(f"{where}.element_bytes={element_bytes!r}: give 1, 2, 4 or 8")
+    return Device(
+        name=table["name"].lower(),
+        peak_flops_per_s=peak,
+        memory_bytes_per_s=_number(where, table, "memory_gb_per_s", 0) * 1e9,
+        source=str(table.get("source", "")),
+        memory_bytes=_number(where, table, "memory_gib", 0) * 2**30,
+        mamf_flops_per_s=peak,
+        element_bytes=element_bytes,
+        gemm_curve=_curve(where, table["gemm_curve"]) if "gemm_curve" in table else (),
+    )
+
+
+def _spec_devices(where: str, doc: dict[str, Any]) -> dict[str, Device]:
+    tables = doc.get("devices", [])
+    if not isinstance(tables, list):
+        raise ClusterSpecError(f"{where}.devices: give [[devices]] tables")
+    found = {}
+    for i, table in enumerate(tables):
+        dev = _spec_device(f"{where}.devices[{i}]", table)
+        if dev.name in DEVICES or dev.name in found:
+            raise ClusterSpecError(f"{where}.devices[{i}].name={dev.name!r} is already a device; choose another name")
+        found[dev.name] = dev
+    return found
+
+
+def _host_device(where: str, table: dict[str, Any], devices: dict[str, Device]) -> Device:
+    name = str(table.get("device", "")).lower()
+    if name in devices:
+        return devices[name]
+    try:
+        return device(name, field=f"{where}.device")
+    except ValueError as err:
+        named = f" or a [[devices]] name ({', '.join(devices)})" if devices else ""
+        raise ClusterSpecError(f"{err}{named}") from None
+
+
+def _host_group(where: str, table: Any, devices: dict[str, Device]) -> HostGroup:
     if not isinstance(table, dict):
         raise ClusterSpecError(f"{where}: each [[hosts]] entry must be a table")
     _unknown(where, table, _HOST_FIELDS)
-    for field in ("count", "devices_per_host"):
-        if not isinstance(table.get(field), int) or isinstance(table.get(field), bool) or table[field] < 1:
-            raise ClusterSpecError(f"{where}.{field}={table.get(field)!r}: give a whole number of at least 1")
-    try:
-        dev = device(table.get("device", ""), field=f"{where}.device")
-    except ValueError as err:
-        raise ClusterSpecError(str(err)) from None
+    _whole(where, table, "count"), _whole(where, table, "devices_per_host")
+    dev = _host_device(where, table, devices)
     efficiency = table.get("gemm_efficiency", dev.mamf_flops_per_s / dev.peak_flops_per_s)
     return HostGroup(
         count=table["count"],
@@ -150,6 +259,7 @@ def _host_group(where: str, table: Any) -> HostGroup:
         intra_bytes_per_s=_number(where, table, "intra_gb_per_s", 0) * 1e9,
         intra_latency_s=_number(where, table, "intra_latency_us", -1e-12) / 1e6,
         gemm_efficiency=_number(where, {"gemm_efficiency": efficiency}, "gemm_efficiency", 0, 1),
+        group_links=_group_links(where, table),
     )
 
 
@@ -161,6 +271,7 @@ def parse_cluster_spec(doc: dict[str, Any], where: str = "cluster spec") -> Clus
             ``<where>.hosts[i].<field>`` or ``<where>.network.<field>``), or an unknown device kind.
     """
     _unknown(where, doc, _TOP_FIELDS)
+    devices = _spec_devices(where, doc)
     hosts = doc.get("hosts")
     if not isinstance(hosts, list) or not hosts:
         raise ClusterSpecError(f"{where}.hosts: give at least one [[hosts]] table (count, devices_per_host, ...)")
@@ -171,7 +282,7 @@ def parse_cluster_spec(doc: dict[str, Any], where: str = "cluster spec") -> Clus
     return ClusterSpec(
         name=str(doc.get("name", "")),
         source=str(doc.get("source", "")),
-        hosts=tuple(_host_group(f"{where}.hosts[{i}]", table) for i, table in enumerate(hosts)),
+        hosts=tuple(_host_group(f"{where}.hosts[{i}]", table, devices) for i, table in enumerate(hosts)),
         inter_bytes_per_s=_number(f"{where}.network", network, "inter_gb_per_s", 0) * 1e9,
         inter_latency_s=_number(f"{where}.network", network, "inter_latency_us", -1e-12) / 1e6,
         link_efficiency=_number(f"{where}.network", network, "link_efficiency", 0, 1),

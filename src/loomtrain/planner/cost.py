@@ -38,6 +38,7 @@ output and its gradient and writing ``dQ``, ``dK``, ``dV`` when fused; two GEMMs
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,10 @@ class Device:
         memory_bytes: HBM capacity, bytes.
         gpu_name: the name :data:`loomtrain.hardware.GPU_PEAKS` knows the GPU by (peaks per dtype).
         mamf_flops_per_s: the largest bf16 GEMM rate measured on the device (0: not measured).
+        element_bytes: bytes per element of the dtype the device computes in (2: bf16; a calibrated
+            CPU: 4, fp32).
+        gemm_curve: measured ``(flops, flop_per_s)`` points of GEMMs by size, sorted by FLOPs (a
+            calibrated device, ``planner/calibrate.py``); empty: the roofline prices GEMMs.
     """
 
     name: str
@@ -79,6 +84,21 @@ class Device:
     memory_bytes: float = 0.0
     gpu_name: str = ""
     mamf_flops_per_s: float = 0.0
+    element_bytes: int = BYTES_BF16
+    gemm_curve: tuple[tuple[float, float], ...] = ()
+
+    def gemm_rate(self, flops: float) -> float:
+        """FLOP/s of a kernel of ``flops`` FLOP: the measured curve interpolated linearly in
+        ``log(flops)`` (held flat beyond its ends) times ``efficiency``; without a curve, the peak times
+        ``efficiency``."""
+        if not self.gemm_curve:
+            return self.peak_flops_per_s * self.efficiency
+        xs = [math.log(f) for f, _ in self.gemm_curve]
+        x = math.log(max(flops, 1.0))
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        r0, r1 = self.gemm_curve[i - 1][1], self.gemm_curve[i][1]
+        share = min(max((x - xs[i - 1]) / ((xs[i] - xs[i - 1]) or 1.0), 0.0), 1.0)
+        return (r0 + share * (r1 - r0)) * self.efficiency
 
     def peak(self, dtype: str) -> float:
         """Dense datasheet FLOP/s for ``dtype`` (``bf16``, ``fp16``, ``tf32``, ``fp32``), from
@@ -133,7 +153,7 @@ class Kernel:
 
     def seconds(self, dev: Device) -> float:
         """The math-or-memory bound of this kernel on ``dev``, in seconds."""
-        return max(self.flops / (dev.peak_flops_per_s * dev.efficiency), self.bytes / dev.memory_bytes_per_s)
+        return max(self.flops / dev.gemm_rate(self.flops), self.bytes / dev.memory_bytes_per_s)
 
 
 def _round_up(value: int, grain: int) -> int:
@@ -165,7 +185,7 @@ class Gemm:
     def seconds(self, dev: Device, waves: bool = False) -> float:
         """The math-or-memory bound on ``dev`` (module docstring), with wave quantization if ``waves``
         and the device's SM count is known; seconds."""
-        traffic = BYTES_BF16 * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
+        traffic = dev.element_bytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
         flops = self.flops
         if waves and dev.sms:
             tile_m, tile_n = min(TILE_M, _round_up(self.m, MMA_GRAIN)), min(TILE_N, _round_up(self.n, MMA_GRAIN))
@@ -254,11 +274,12 @@ def attention_gemms(model: Architecture | Any, seq_len: int, micro_batch: int, t
     return [Gemm(s, d, s, heads), Gemm(s, s, d, heads)]
 
 
-def attention_kernels(model: Architecture | Any, seq_len: int, micro_batch: int, tp: int = 1) -> tuple[Kernel, Kernel]:
+def attention_kernels(model: Architecture | Any, seq_len: int, micro_batch: int, tp: int = 1,
+                      element_bytes: int = BYTES_BF16) -> tuple[Kernel, Kernel]:  # fmt: skip
     """One block's fused attention on one rank, ``(forward, backward)``: ``Q Kᵀ`` and ``P V`` per sequence
     and head (``2 · 2 s² d`` FLOP), moving ``Q``, ``K``, ``V``, output (forward) and those, the output
-    gradient and ``dQ``, ``dK``, ``dV`` (backward, twice the FLOPs); bf16, every head counted in full.
-    Zero work for ``gpt`` (unfused: :func:`attention_gemms`).
+    gradient and ``dQ``, ``dK``, ``dV`` (backward, twice the FLOPs); ``element_bytes`` each (bf16: 2),
+    every head counted in full. Zero work for ``gpt`` (unfused: :func:`attention_gemms`).
 
     Raises:
         ValueError: as :func:`layer_gemms`.
@@ -269,14 +290,14 @@ def attention_kernels(model: Architecture | Any, seq_len: int, micro_batch: int,
         return Kernel(0.0, 0.0), Kernel(0.0, 0.0)
     heads, s, d = micro_batch * arch.n_heads // tp, seq_len, arch.head_dim
     flops = heads * 2 * 2 * s * s * d
-    tensor = heads * s * d * BYTES_BF16
+    tensor = heads * s * d * element_bytes
     return Kernel(flops, 4 * tensor), Kernel(2 * flops, 8 * tensor)
 
 
 def attention_times(arch: Architecture, seq_len: int, micro_batch: int, tp: int, dev: Device,
                     waves: bool = False) -> tuple[float, float]:  # fmt: skip
     """``(forward, backward)`` seconds of one block's attention core (fused kernel or its two GEMMs)."""
-    fused, fused_backward = attention_kernels(arch, seq_len, micro_batch, tp)
+    fused, fused_backward = attention_kernels(arch, seq_len, micro_batch, tp, dev.element_bytes)
     gemms = attention_gemms(arch, seq_len, micro_batch, tp)
     forward = fused.seconds(dev) + sum(g.seconds(dev, waves) for g in gemms)
     backward = fused_backward.seconds(dev) + sum(

@@ -21,6 +21,7 @@ Run ``python -m loomtrain.planner.published`` to print the comparison.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 from loomtrain.planner.arch import gpt
@@ -108,6 +109,19 @@ def errors(runs: tuple[PublishedRun, ...] = MEGATRON_RUNS) -> list[float]:
 def mape(relative_errors: list[float]) -> float:
     """Mean absolute percentage error, percent."""
     return 100 * sum(abs(e) for e in relative_errors) / len(relative_errors)
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's τ-a of two equally long sequences (Kendall, "A New Measure of Rank Correlation",
+    Biometrika 1938): (concordant − discordant) pairs over all pairs; a tie in either counts as neither.
+
+    Raises:
+        ValueError: lengths differ or fewer than 2 items.
+    """
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"kendall_tau needs two sequences of one length >= 2 (got {len(a)} and {len(b)})")
+    signs = [(a[i] - a[j]) * (b[i] - b[j]) for i, j in itertools.combinations(range(len(a)), 2)]
+    return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(signs)
 
 
 def constant_predictor_errors(runs: tuple[PublishedRun, ...] = MEGATRON_RUNS) -> list[float]:

@@ -93,6 +93,8 @@ def _shapes(arch: Architecture, world: int, batch: int, counts: collections.Coun
     shapes = []
     for tp in _powers_of_two(min(world, arch.n_heads)):
         for sp in _powers_of_two(min(world // tp, arch.n_heads // tp)):
+            if world % (tp * sp):  # e.g. tp = 2 on 3 GPUs: not a layout of this world
+                continue
             if not _divides_heads(arch, tp, sp):
                 counts["heads"] += 1
                 continue
@@ -169,5 +171,9 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
             tokens = global_batch * seq_len
             mfu = model_flops(arch, layout) / (st.total * world * cluster.device.peak_flops_per_s)
             plans.append(Plan(layout, memory, st, tokens / st.total, mfu))
-    plans.sort(key=lambda p: p.step.total)
+    # Equal predicted times (recomputation or ZeRO's extra gathers hidden under communication or
+    # compute, say): less recomputation, then a lower ZeRO stage (less communication), then less
+    # memory first; the model does not price their contention for the same cores and links.
+    plans.sort(key=lambda p: (p.step.total, RECOMPUTE.index(p.layout.recompute), p.layout.zero_stage,
+                              p.memory_bytes))  # fmt: skip
     return SearchResult(plans[:top] if top else plans, dict(counts), considered + sum(counts.values()))

@@ -63,6 +63,9 @@ class Cluster:
         intra_latency_s, inter_latency_s: seconds per ring step of a collective, or per send.
         hosts: hosts in the cluster (0: as many as a layout needs, for the published comparisons).
         name, source: label, and where the figures come from.
+        group_links: measured ``(group size, busbw bytes/s, latency s)`` of collectives inside a host,
+            by group size (a calibrated spec, ``planner/calibrate.py``); empty: the intra-host link
+            serves every group size.
 
     Raises:
         ValueError: a size or bandwidth not positive, or an efficiency outside (0, 1].
@@ -79,6 +82,7 @@ class Cluster:
     hosts: int = 0
     name: str = ""
     source: str = ""
+    group_links: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("devices_per_host", "intra_bytes_per_s", "inter_bytes_per_s"):
@@ -103,10 +107,16 @@ class Cluster:
         """The device as the cost model prices it: efficiency ``gemm_efficiency``."""
         return replace(self.device, efficiency=self.gemm_efficiency)
 
-    def link(self, spans_hosts: bool) -> tuple[float, float]:
-        """``(achievable bytes/s, latency s)`` of the link a group uses: inter-host if it spans hosts."""
+    def link(self, spans_hosts: bool, size: int = 0) -> tuple[float, float]:
+        """``(achievable bytes/s, latency s)`` of the link a group of ``size`` ranks uses: inter-host if
+        it spans hosts; inside a host, the measured figures of the largest measured group size up to
+        ``size`` (the smallest measured one below it) where :attr:`group_links` has any."""
         if spans_hosts:
             return self.inter_bytes_per_s * self.link_efficiency, self.inter_latency_s
+        if self.group_links:
+            fitting = [g for g in self.group_links if g[0] <= size] or [min(self.group_links)]
+            _, busbw, latency = max(fitting)
+            return busbw * self.link_efficiency, latency
         return self.intra_bytes_per_s * self.link_efficiency, self.intra_latency_s
 
 
@@ -163,17 +173,22 @@ def elementwise_bytes(arch: Architecture, layout: Layout) -> float:
     (the fused kernels of Megatron-LM as Korthikanti et al. 2022 §4.1 list their tensors). Per
     token, ``gpt``: two LayerNorms (``2·4h``), two bias-dropout-adds (``2·7h``: two inputs, an
     output, a mask), bias-GeLU (``16h/t``: read and write ``4h/t``), softmax (``4as/t``) and its
-    dropout (``5as/t``). ``llama``: two RMSNorms (``2·4h``), two residual adds (``2·6h``), SiLU and
-    the product (``2·6f/t``); the fused attention kernel's scores never reach memory. Backward moves
+    dropout (``5as/t``). ``llama``: the kernels loomtrain's eager block launches
+    (``models/llama.py``), in 16-bit elements ``×2``: two RMSNorms of four kernels each (``pow`` 2,
+    ``mean`` 1, two ``mul`` 2 each: ``2·7h``), two residual adds (``2·3h``), the rotary embedding of
+    ``q`` and ``k`` (negate 1, concatenate 2, two ``mul`` 2 each, add 3: ``10(h + kv)/t``), the
+    attention output's copy to contiguous (``2h/t``), SiLU and the product (``5f/t``); the fused
+    attention kernel's scores never reach memory. Backward moves
     twice as much (it reads the saved input and the output gradient, writes the input gradient).
-    Ulysses ``sp`` divides the tokens.
+    Ulysses ``sp`` divides the tokens; elements of ``precision.activation_bytes`` other than 2 (an fp32
+    run) scale the bytes.
     """
     s, t, h, a = layout.seq_len, layout.tp, arch.hidden, arch.n_heads
     if arch.family == "gpt":
         per_token = 8 * h + 14 * h + 16 * h / t + 9 * a * s / t
     else:
-        per_token = 8 * h + 12 * h + 12 * arch.ffn_hidden / t
-    return per_token * layout.micro_batch * s / layout.sp
+        per_token = 2 * (20 * h + (12 * h + 10 * arch.kv_width + 5 * arch.ffn_hidden) / t)
+    return per_token * layout.micro_batch * s / layout.sp * layout.precision.activation_bytes / 2
 
 
 def ring_all_reduce_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
@@ -233,7 +248,7 @@ def tp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster) 
     """One of Megatron's per-block tensor-parallel all-reduces: ``b·s·h/sp`` activations of
     ``precision.activation_bytes`` over the ``tp`` ranks (inter-host when ``tp`` exceeds a host)."""
     nbytes = layout.micro_batch * layout.seq_len / layout.sp * arch.hidden * layout.precision.activation_bytes
-    bandwidth, latency = cluster.link(_spans_hosts(1, layout.tp, cluster))
+    bandwidth, latency = cluster.link(_spans_hosts(1, layout.tp, cluster), layout.tp)
     return ring_all_reduce_seconds(nbytes, layout.tp, bandwidth, latency)
 
 
@@ -246,7 +261,7 @@ def all_to_all_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> 
         return 0.0
     width = 2 * arch.hidden + 2 * arch.kv_width
     nbytes = layout.micro_batch * layout.seq_len / sp * width / layout.tp * layout.precision.activation_bytes
-    bandwidth, latency = cluster.link(_spans_hosts(layout.tp, sp, cluster))
+    bandwidth, latency = cluster.link(_spans_hosts(layout.tp, sp, cluster), sp)
     return (sp - 1) / sp * nbytes / bandwidth + 4 * (sp - 1) * latency
 
 
@@ -258,7 +273,7 @@ def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
         return 0.0
     elements = layout.micro_batch * layout.seq_len / layout.sp * arch.hidden / layout.tp
     stride = layout.tp * layout.sp * layout.dp
-    bandwidth, latency = cluster.link(_spans_hosts(stride, layout.pp, cluster))
+    bandwidth, latency = cluster.link(_spans_hosts(stride, layout.pp, cluster), 2)
     return elements * layout.precision.activation_bytes / bandwidth + latency
 
 
@@ -313,7 +328,7 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
         return 0.0, 0.0
     params = device_params(arch, layout)
     layers = layers_per_chunk(arch, layout) * layout.virtual_stages
-    bandwidth, latency = cluster.link(_spans_hosts(layout.tp * layout.sp, n, cluster))
+    bandwidth, latency = cluster.link(_spans_hosts(layout.tp * layout.sp, n, cluster), n)
     p = layout.precision
 
     def collective(nbytes: float) -> float:
@@ -352,7 +367,7 @@ def dp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster, 
         ranks, stride, grad_bytes = layout.dp_replicate, inner * layout.dp_shard, grad_bytes / layout.dp_shard
     else:
         ranks, stride = layout.dp, inner
-    bandwidth, latency = cluster.link(_spans_hosts(stride, ranks, cluster))
+    bandwidth, latency = cluster.link(_spans_hosts(stride, ranks, cluster), ranks)
     return ring_all_reduce_seconds(grad_bytes, ranks, bandwidth, latency)
 
 

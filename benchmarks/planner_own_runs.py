@@ -1,0 +1,150 @@
+"""The planner's time model against real loomtrain runs on this machine (issue #19, "own runs").
+
+For each configuration of :data:`CONFIGS` (world 2 and 4: data parallelism, ZeRO 1 and 3, tensor
+parallelism, the pipeline, recomputation) it predicts the step time from a spec of this machine
+measured first (``loomtrain plan --calibrate --ranks N``, one per world size), then runs ``loomtrain
+train`` for :data:`STEPS` steps and measures the median step time after :data:`WARMUP` steps (from
+the times of its ``metrics.jsonl`` records, one per step). The model is a Llama of :data:`MODEL`
+(large enough that GEMMs, not Python overhead, dominate a step). Reported: each configuration's
+predicted and measured seconds and their error, the mean absolute percentage error, and Kendall's τ
+between the predicted and measured orders (Kendall 1938, τ-a: concordant minus discordant pairs over
+all pairs). Then ``--parallel.auto`` at world 2 and 4: the planner's choice, run, against the fastest
+measured configuration of that world size.
+
+    python benchmarks/planner_own_runs.py       # about 5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from loomtrain.config import load_config
+from loomtrain.planner.arch import from_model_config
+from loomtrain.planner.calibrate import local_spec
+from loomtrain.planner.memory import Layout, precision_for
+from loomtrain.planner.published import kendall_tau
+from loomtrain.planner.time import step_time
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "shakespeare_char.toml"
+# Characters of the complete plays (the default job's tokenizer): the model's vocabulary.
+MODEL = {"dim": 512, "n_heads": 8, "n_layers": 4, "max_seq_len": 128}
+SEQ_LEN, GLOBAL_BATCH = 128, 16
+STEPS, WARMUP = 12, 4
+ROUNDS = 2
+# name: (world, overrides): each a layout loomtrain runs and the planner prices.
+CONFIGS = {
+    "dp2": (2, {}),
+    "dp2_zero1": (2, {"data_parallel.zero_stage": 1}),
+    "dp2_zero3": (2, {"data_parallel.zero_stage": 3}),
+    "dp2_full_recompute": (2, {"training.activation_checkpointing": "full"}),
+    "tp2": (2, {"parallel.tensor_parallel_degree": 2}),
+    "pp2_1f1b_m4": (2, {"parallel.pipeline_parallel_degree": 2}),
+    "dp4": (4, {"training.micro_batch_size": 2}),
+    "tp2_dp2": (4, {"parallel.tensor_parallel_degree": 2}),
+    "pp2_dp2": (4, {"parallel.pipeline_parallel_degree": 2, "training.micro_batch_size": 2}),
+    "tp4": (4, {"parallel.tensor_parallel_degree": 4}),
+}
+
+
+def base_overrides(steps: int = STEPS) -> dict:
+    """The own-run job: :data:`MODEL`, one record per step, no evaluation, checkpoint or sample."""
+    return {**{f"model.{k}": v for k, v in MODEL.items()}, "training.seq_len": SEQ_LEN,
+            "training.global_batch_size": GLOBAL_BATCH, "training.micro_batch_size": 4, "training.steps": steps,
+            "training.log_interval": 1, "training.eval_interval": steps + 1, "training.warmup_steps": 0,
+            "checkpoint.enabled": "false", "sample.max_new_tokens": 0}  # fmt: skip
+
+
+def layout_of(world: int, overrides: dict, vocab_size: int):
+    """The planner's ``(Architecture, Layout)`` of one configuration."""
+    cfg = load_config(CONFIG, [f"--{k}={v}" for k, v in {**base_overrides(), **overrides}.items()])
+    cfg.model.vocab_size = vocab_size
+    par, training = cfg.parallel, cfg.training
+    tp, pp = par.tensor_parallel_degree, par.pipeline_parallel_degree
+    dp = world // (tp * pp * par.sequence_parallel_degree)
+    zero = cfg.data_parallel.zero_stage
+    layout = Layout(seq_len=training.seq_len, micro_batch=training.micro_batch_size, dp=dp, tp=tp, pp=pp,
+                    sp=par.sequence_parallel_degree, zero_stage=zero,
+                    n_micro=training.global_batch_size // (dp * training.micro_batch_size),
+                    schedule=par.pipeline_schedule, virtual_stages=par.virtual_stages,
+                    recompute=training.activation_checkpointing,
+                    precision=precision_for(training.dtype, zero))  # fmt: skip
+    return from_model_config(cfg.model, "own-run"), layout
+
+
+def run_step_seconds(world: int, overrides: dict, out_dir: str, name: str) -> tuple[float, str]:
+    """Median seconds per step of a real ``loomtrain train`` run, steps ``WARMUP``..``STEPS - 1``,
+    and what it printed."""
+    args = [f"--{k}={v}" for k, v in {**base_overrides(), **overrides}.items() if v is not None]
+    cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", str(CONFIG), "--nproc", str(world),
+           "--overwrite", f"--run.out_dir={out_dir}", f"--run.name={name}", *args]  # fmt: skip
+    done = subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    records = [json.loads(line) for line in (Path(out_dir) / name / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in records if "time" in r}
+    return statistics.median(times[s] - times[s - 1] for s in range(WARMUP + 1, STEPS)), done.stdout
+
+
+def vocab_size() -> int:
+    """The default job's character vocabulary (its tokenizer over the plays)."""
+    from loomtrain.data.corpus import load_corpus
+    from loomtrain.data.tokenizer import build_tokenizer
+
+    cfg = load_config(CONFIG)
+    train_text, val_text = load_corpus(cfg.data)
+    return build_tokenizer(cfg.data.tokenizer, train_text + val_text, cfg.data.bpe_vocab_size).vocab_size
+
+
+def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
+    """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
+    run in alternating order), their MAPE and Kendall τ."""
+    names, vocab, rows = names or list(CONFIGS), vocab_size(), []
+    clusters = {w: local_spec(w).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
+    measured: dict[str, list[float]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                measured[name].append(run_step_seconds(*CONFIGS[name], out_dir, name)[0])
+                print(f"round {r} {name}: {measured[name][-1]:.3f} s", flush=True)
+    for name in names:
+        world, overrides = CONFIGS[name]
+        arch, layout = layout_of(world, overrides, vocab)
+        predicted, median = step_time(arch, layout, clusters[world]).total, statistics.median(measured[name])
+        rows.append({"config": name, "world": world, "predicted_s": round(predicted, 4), "measured_s": round(median, 4),
+                     "measured_each_round_s": [round(m, 4) for m in measured[name]],
+                     "error": round(predicted / median - 1, 4)})  # fmt: skip
+        print(f"{name:>20} world {world}: predicted {predicted:.3f} s, measured {median:.3f} s "
+              f"({100 * (predicted / median - 1):+.1f} %)", flush=True)  # fmt: skip
+    mape = statistics.fmean(abs(r["error"]) for r in rows)
+    tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    return {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3)}
+
+
+def auto_runs(rows: list[dict]) -> list[dict]:
+    """``--parallel.auto=true`` at each world size of ``rows``: the planner's choice (on this machine's
+    cached calibrated spec), run, against the fastest measured configuration of ``rows`` at that size."""
+    out = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for world in sorted({r["world"] for r in rows}):
+            auto = {"parallel.auto": "true", "training.micro_batch_size": None}
+            measured, printed = run_step_seconds(world, auto, out_dir, f"auto{world}")
+            chosen = next(line.strip() for line in printed.splitlines() if line.strip().startswith("chosen:"))
+            best = min((r for r in rows if r["world"] == world), key=lambda r: r["measured_s"])
+            out.append({"world": world, "chosen": chosen, "measured_s": round(measured, 4),
+                        "best_grid_config": best["config"], "best_grid_measured_s": best["measured_s"],
+                        "tokens_per_s_over_best_grid": round(best["measured_s"] / measured, 3)})  # fmt: skip
+            ratio = best["measured_s"] / measured
+            print(f"auto world {world}: {measured:.3f} s ({chosen}); best of the grid {best['config']} "
+                  f"{best['measured_s']:.3f} s: tokens/s ratio {ratio:.3f}", flush=True)  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    result = own_runs(sys.argv[1:] or None)
+    print(f"MAPE {100 * result['mape']:.1f} %, Kendall tau {result['kendall_tau']:.3f}")
+    auto_runs(result["rows"])

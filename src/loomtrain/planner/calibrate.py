@@ -1,0 +1,253 @@
+"""``loomtrain plan --calibrate``: a cluster spec of this machine, by measurement.
+
+The planner prices a layout from a device's achievable GEMM rate, its memory bandwidth, and the
+bandwidth and latency of the collectives its groups run (docs/planner.md "Time model"). For the GPUs
+of the device table those come from datasheets and published measurements; for the machine at hand
+they are measured here, the way the ranks of a run would see them: ``ranks`` processes (one torch
+thread each, as loomtrain's workers run) measure at the same time, so that a rank's share of a shared
+CPU (4 ranks on 2 cores get about half a core each) is what is measured.
+
+What each rank measures, all ranks at once:
+
+- **GEMM rate by size**: ``fp32`` ``n × n`` products for ``n`` in :data:`GEMM_SIZES`, and thin ones
+  (``n × n`` by ``n × n/8``, the shape of a key/value projection): the mean time per call over a
+  :data:`WINDOW_S` window of calls back to back (:func:`_mean_seconds` says why not a median). The
+  planner reads this curve by FLOPs (:meth:`~loomtrain.planner.cost.Device.gemm_rate`): the
+  efficiency-by-size curve of issue #19, measured instead of derived from waves.
+- **Memory bandwidth** of eager elementwise kernels (:func:`measure_memory_bandwidth`): an RMSNorm
+  and a SwiGLU product, forward and backward, over activation-sized tensors, bytes counted as the
+  time model counts a block's.
+- **Collectives per group size** ``g`` (each power of two from 2 to ``ranks``): the ranks split into
+  ``ranks/g`` groups of consecutive ranks, which all-reduce at once (as a layout's tensor-parallel
+  groups do): the latency from a 4-byte all-reduce over its ``2(g-1)`` ring steps, the bus bandwidth
+  from a :data:`COLLECTIVE_BYTES` one with nccl-tests' convention (``busbw = S/t · 2(g-1)/g``,
+  nccl-tests doc/PERFORMANCE.md). Because busbw is measured, the spec's ``link_efficiency`` is 1.
+
+A figure is the mean over ranks (they share the machine's cores, so their rates are each other's
+complement). About 10 s on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loomtrain.cache import cache_dir, write_atomic
+from loomtrain.hardware import device_name
+from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec
+
+GEMM_SIZES = (64, 128, 256, 512, 1024)
+# Each figure is a mean over this many seconds of back-to-back calls (at least MIN_CALLS): several
+# of Linux CFS's scheduling periods (6-24 ms; sched(7)), so an oversubscribed core's sharing shows.
+WINDOW_S = 0.25
+MIN_CALLS = 3
+# Calls of each timed collective (a fixed count: a window would let ranks disagree on it and hang).
+COLLECTIVE_CALLS = 20
+# The eager elementwise mix's tensors: 4,096 tokens of width 1,024, fp32 (16 MiB each): a micro-batch's
+# activations, beyond the caches of a CPU core as a block's working set is.
+EAGER_ROWS, EAGER_WIDTH = 4096, 1024
+COLLECTIVE_BYTES = 8 * 2**20
+LATENCY_BYTES = 4
+# A calibrated spec older than this is measured again (software and load change).
+MAX_AGE_DAYS = 7
+
+
+def _mean_seconds(run, window_s: float = WINDOW_S, calls: int | None = None) -> float:
+    """Mean seconds per call of ``run`` called back to back for ``window_s`` (at least
+    :data:`MIN_CALLS` times), or exactly ``calls`` times (a collective: every rank must make the same
+    calls). A mean over a window longer than the scheduler's time slice, not a median of single
+    calls: a call short enough to fit in one slice runs at full speed even when more processes than
+    cores share the machine, and the median would report that speed."""
+    run()  # the first call at a shape allocates and picks kernels
+    done, start = 0, time.perf_counter()
+    while done < (calls or MIN_CALLS) or (calls is None and time.perf_counter() - start < window_s):
+        run()
+        done += 1
+    return (time.perf_counter() - start) / done
+
+
+def _gemm_shapes() -> list[tuple[int, int, int]]:
+    return [(n, n, n) for n in GEMM_SIZES] + [(n, n, max(8, n // 8)) for n in GEMM_SIZES]
+
+
+def measure_gemm_curve() -> list[tuple[float, float]]:
+    """``[(flops, flop_per_s), ...]`` of fp32 GEMMs of :func:`_gemm_shapes` on this process, sorted by FLOPs
+    (shapes of equal FLOPs averaged)."""
+    rates: dict[float, list[float]] = {}
+    for m, k, n in _gemm_shapes():
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        flops = 2.0 * m * k * n
+        rates.setdefault(flops, []).append(flops / _mean_seconds(lambda a=a, b=b: torch.mm(a, b)))
+    return [(flops, statistics.fmean(r)) for flops, r in sorted(rates.items())]
+
+
+def measure_memory_bandwidth() -> float:
+    """Bytes/s of eager elementwise kernels with autograd: an RMSNorm and a SwiGLU product (the
+    non-GEMM work of a block, kernel by kernel as eager PyTorch runs them) over ``EAGER_ROWS ×
+    EAGER_WIDTH`` fp32 tensors, forward and backward, each output freshly allocated.
+
+    Bytes are counted as the time model counts a block's (``planner/time.py``'s
+    ``elementwise_bytes``): each forward kernel reads its inputs and writes its output once (``pow``
+    2, ``mean`` 1, two ``mul`` 2 each, ``silu`` 2, ``mul`` 3, two ``sum`` 1 each: 14 tensors), and
+    backward moves twice the forward. Not STREAM's preallocated ``c = a + b``: on a CPU eager kernels
+    fault in their fresh outputs and leave cache-resident sizes, and a block's kernels run as these do.
+    """
+    x, a, b = (torch.randn(EAGER_ROWS, EAGER_WIDTH, requires_grad=True) for _ in range(3))
+    weight = torch.ones(EAGER_WIDTH, requires_grad=True)
+
+    def step() -> None:
+        normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * weight
+        (normed.sum() + (F.silu(a) * b).sum()).backward()
+
+    forward_bytes = 14 * EAGER_ROWS * EAGER_WIDTH * 4
+    return 3 * forward_bytes / _mean_seconds(step)
+
+
+def _groups(ranks: int, size: int) -> list[list[int]]:
+    return [list(range(start, start + size)) for start in range(0, ranks, size)]
+
+
+def _timed_all_reduce(nbytes: int, group) -> float:
+    """Median seconds of a barrier (all ranks start together) and an all-reduce of ``nbytes`` in ``group``."""
+    buf = torch.zeros(max(1, nbytes // 4))
+
+    def run() -> None:
+        dist.barrier()
+        dist.all_reduce(buf, group=group)
+
+    return _mean_seconds(run, calls=COLLECTIVE_CALLS)
+
+
+def measure_collectives(ranks: int) -> dict[int, tuple[float, float]]:
+    """``{group size: (busbw bytes/s, latency s per ring step)}`` of all-reduces, every group at once.
+
+    Collective over the default process group (every rank must call it).
+    """
+    found = {}
+    for size in (2**i for i in range(1, int(math.log2(ranks)) + 1)):
+        groups = [dist.new_group(g) for g in _groups(ranks, size)]
+        mine = groups[dist.get_rank() // size]
+        steps = 2 * (size - 1)
+        barrier = _mean_seconds(dist.barrier, calls=COLLECTIVE_CALLS)
+        latency = max(_timed_all_reduce(LATENCY_BYTES, mine) - barrier, 1e-7) / steps
+        seconds = max(_timed_all_reduce(COLLECTIVE_BYTES, mine) - barrier - steps * latency, 1e-9)
+        found[size] = (COLLECTIVE_BYTES / seconds * steps / size, latency)
+    return found
+
+
+def _rank_measurements(ranks: int) -> dict:
+    """What one rank measures (module docstring); runs inside :func:`loomtrain.distributed.spawn.spawn`."""
+    dist.barrier()
+    curve = measure_gemm_curve()
+    dist.barrier()
+    bandwidth = measure_memory_bandwidth()
+    return {"curve": curve, "bandwidth": bandwidth, "collectives": measure_collectives(ranks)}
+
+
+def _mean(values) -> float:
+    return statistics.fmean(values)
+
+
+def combine(per_rank: list[dict]) -> dict:
+    """The ranks' measurements as one: each figure the mean over ranks (``curve`` point by point)."""
+    curve = [(flops, _mean(r["curve"][i][1] for r in per_rank)) for i, (flops, _) in enumerate(per_rank[0]["curve"])]
+    sizes = sorted(per_rank[0]["collectives"])
+    collectives = {g: tuple(_mean(r["collectives"][g][j] for r in per_rank) for j in (0, 1)) for g in sizes}
+    return {"curve": curve, "bandwidth": _mean(r["bandwidth"] for r in per_rank), "collectives": collectives}
+
+
+def host_memory_bytes() -> float:
+    """MemTotal of ``/proc/meminfo`` (bytes), or the physical pages × page size where it is missing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
+    curve = measured["curve"]
+    points = ", ".join(f"[{f:.4g}, {r / 1e12:.6g}]" for f, r in curve)
+    return ["[[devices]]", f'name = "{name}-cpu"',
+            f"peak_tflops = {max(r for _, r in curve) / 1e12:.6g}    # fastest measured fp32 GEMM",
+            f"memory_gb_per_s = {measured['bandwidth'] / 1e9:.4g}    # eager elementwise kernels, per rank",
+            f"memory_gib = {host_memory_bytes() / ranks / 2**30:.4g}    # host memory / ranks",
+            "element_bytes = 4    # fp32", f"gemm_curve = [{points}]    # [FLOPs, TFLOP/s]"]  # fmt: skip
+
+
+def _link_lines(collectives: dict[int, tuple[float, float]]) -> tuple[list[str], list[str]]:
+    """The host's link and group lines, and the network's: the largest group's figures stand in for
+    the network (one host: nothing crosses hosts); one rank measured none (any figure serves)."""
+    sizes = sorted(collectives)
+    busbw, latency = collectives[sizes[-1]] if sizes else (1e12, 0.0)
+    link = [f"{busbw / 1e9:.4g}", f"{latency * 1e6:.4g}"]
+    host = [f"intra_gb_per_s = {link[0]}    # all-reduce busbw of the largest group", f"intra_latency_us = {link[1]}"]
+    if sizes:
+        host += [f"group_sizes = {sizes}",
+                 f"group_gb_per_s = [{', '.join(f'{collectives[g][0] / 1e9:.4g}' for g in sizes)}]",
+                 f"group_latency_us = [{', '.join(f'{collectives[g][1] * 1e6:.4g}' for g in sizes)}]"]  # fmt: skip
+    network = ["[network]    # one host: the loopback figures stand in", f"inter_gb_per_s = {link[0]}",
+               f"inter_latency_us = {link[1]}",
+               "link_efficiency = 1.0    # busbw is measured, not a link rate"]  # fmt: skip
+    return host, network
+
+
+def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
+    """The cluster spec (``planner/cluster.py`` format) of ``ranks`` processes on this machine, from
+    :func:`combine`'s figures."""
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    host, network = _link_lines(measured["collectives"])
+    lines = [
+        f"# Measured by `loomtrain plan --calibrate --ranks {ranks}` on {when}: one device is one of {ranks}",
+        f"# processes (one torch thread each) on this machine ({os.cpu_count()} logical CPUs), measuring at once.",
+        f'name = "{name}"',
+        f'source = "measured {when} on {device_name(torch.device("cpu"))}, torch {torch.__version__}, {ranks} ranks"',
+        "", *_device_lines(measured, ranks, name), "",
+        "[[hosts]]", "count = 1", f"devices_per_host = {ranks}", f'device = "{name}-cpu"', *host, "",
+        *network, "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def calibrate(ranks: int, timeout_s: float = 120.0) -> str:
+    """Measure ``ranks`` processes on this machine and return their cluster spec as TOML text.
+
+    Raises:
+        ValueError: ``ranks`` below 1 or not a power of two (the group sizes halve it).
+        RuntimeError, TimeoutError: a measuring process failed or hung (from ``spawn``).
+    """
+    if ranks < 1 or ranks & (ranks - 1):
+        raise ValueError(f"--ranks={ranks}: give a power of two (1, 2, 4, ...)")
+    from loomtrain.distributed.spawn import spawn
+
+    return spec_toml(combine(spawn(_rank_measurements, ranks, ranks, timeout_s=timeout_s)), ranks)
+
+
+def cached_spec_path(ranks: int) -> Path:
+    """Where :func:`local_spec` keeps the spec of ``ranks`` processes: the loomtrain cache directory."""
+    return cache_dir() / f"cluster-local-{ranks}.toml"
+
+
+def local_spec(ranks: int) -> ClusterSpec:
+    """The measured spec of ``ranks`` processes on this machine: the cached one when younger than
+    :data:`MAX_AGE_DAYS`, else measured now (:func:`calibrate`) and cached atomically.
+
+    Raises:
+        as :func:`calibrate`.
+    """
+    path = cached_spec_path(ranks)
+    if path.is_file() and time.time() - path.stat().st_mtime < MAX_AGE_DAYS * 86400:
+        return load_cluster_spec(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, calibrate(ranks).encode())
+    return load_cluster_spec(str(path))

@@ -1,0 +1,143 @@
+"""``loomtrain plan --calibrate`` (planner/calibrate.py) and what its specs add to the cost model:
+devices described in a spec, a measured GEMM curve, collective figures by group size, fp32 element
+sizes; and two search fixes (world sizes tp·sp does not divide, ties)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import replace
+
+import pytest
+
+from loomtrain.planner.arch import from_model_config
+from loomtrain.planner.calibrate import cached_spec_path, local_spec, spec_toml
+from loomtrain.planner.cli import cmd_plan
+from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
+from loomtrain.planner.cost import DEVICES, Gemm
+from loomtrain.planner.memory import RECOMPUTE, Layout, precision_for
+from loomtrain.planner.published import kendall_tau
+from loomtrain.planner.search import search
+from loomtrain.planner.time import DGX_A100, elementwise_bytes, step_time
+
+CPU = {"name": "box", "peak_tflops": 0.1, "memory_gb_per_s": 20, "memory_gib": 8, "element_bytes": 4,
+       "gemm_curve": [[1e6, 0.01], [1e8, 0.05], [1e10, 0.1]]}  # fmt: skip
+HOST = {"count": 1, "devices_per_host": 4, "device": "box", "intra_gb_per_s": 1, "intra_latency_us": 100,
+        "group_sizes": [2, 4], "group_gb_per_s": [2.0, 1.0], "group_latency_us": [50, 120]}  # fmt: skip
+NETWORK = {"inter_gb_per_s": 1, "inter_latency_us": 100, "link_efficiency": 1.0}
+
+
+def spec(**host):
+    return parse_cluster_spec({"devices": [CPU], "hosts": [{**HOST, **host}], "network": NETWORK}, where="s")
+
+
+def test_spec_devices_and_group_links_reach_the_time_model():
+    """Catches: a [[devices]] entry or the per-group-size figures parsed but not priced (the cost model
+    falling back to the intra-host link, or to bf16 bytes for an fp32 device)."""
+    cluster = spec().to_cluster()
+    assert cluster.device.name == "box" and cluster.device.element_bytes == 4 and cluster.gpus == 4
+    assert cluster.device.memory_bytes == 8 * 2**30
+    assert cluster.link(False, 2) == (2e9, 50e-6) and cluster.link(False, 4) == (1e9, 120e-6)
+    assert cluster.link(False, 3) == (2e9, 50e-6), "a group of 3 takes the largest measured size below it"
+    assert cluster.link(True, 2) == (1e9, 100e-6), "across hosts the network serves every group"
+    assert DGX_A100.link(False, 8) == (300e9 * 0.8, 5e-6), "specs without group figures are unchanged"
+
+
+@pytest.mark.parametrize(
+    ("devices", "host", "message"),
+    [
+        ([{**CPU, "element_bytes": 3}], {}, r"s.devices\[0\].element_bytes=3: give 1, 2, 4 or 8"),
+        ([{**CPU, "gemm_curve": [[1e6]]}], {}, r"s.devices\[0\].gemm_curve=.*\[FLOPs, TFLOP/s\] pairs"),
+        ([{**CPU, "name": "a100"}], {}, r"s.devices\[0\].name='a100' is already a device"),
+        ([{**CPU, "speed": 1}], {}, r"s.devices\[0\]: unknown field\(s\) speed"),
+        ([CPU], {"group_gb_per_s": [1.0]}, r"s.hosts\[0\].group_gb_per_s=\[1.0\]: give a list of 2 numbers"),
+        ([CPU], {"group_sizes": [1, 4]}, r"s.hosts\[0\].group_sizes=\[1, 4\]: give a list of distinct"),
+        ([CPU], {"device": "boxx"}, r"s.hosts\[0\].device='boxx' is unknown.* or a \[\[devices\]\] name \(box\)"),
+    ],
+)
+def test_bad_device_and_group_fields_are_named(devices, host, message):
+    """Catches: a malformed measured spec accepted (a curve point without its rate, 3-byte elements,
+    a device shadowing the datasheet table, group lists of unequal length) or an error not naming the field."""
+    with pytest.raises(ClusterSpecError, match=message):
+        parse_cluster_spec({"devices": devices, "hosts": [{**HOST, **host}], "network": NETWORK}, where="s")
+    partial = {k: v for k, v in HOST.items() if k != "group_latency_us"}
+    with pytest.raises(ClusterSpecError, match="give all of group_sizes, group_gb_per_s, group_latency_us"):
+        parse_cluster_spec({"devices": [CPU], "hosts": [partial], "network": NETWORK}, where="s")
+
+
+def test_gemm_rate_follows_the_measured_curve():
+    """Catches: a calibrated device priced at its peak for every GEMM (small GEMMs reach a fraction of
+    it on a CPU), an interpolation that leaves the measured range, or GPUs losing their roofline."""
+    dev = spec().to_cluster().compute_device
+    assert dev.gemm_rate(1e8) == pytest.approx(0.05e12) and dev.gemm_rate(1e7) == pytest.approx(0.03e12)
+    assert dev.gemm_rate(1e3) == pytest.approx(0.01e12) and dev.gemm_rate(1e13) == pytest.approx(0.1e12)
+    assert Gemm(100, 100, 50).seconds(dev) == pytest.approx(1e6 / 0.01e12)
+    a100 = replace(DEVICES["a100"], efficiency=0.5)
+    assert a100.gemm_rate(1.0) == a100.gemm_rate(1e15) == 0.5 * a100.peak_flops_per_s
+
+
+def test_fp32_runs_move_twice_the_elementwise_bytes():
+    """Catches: an fp32 CPU run's norms, residuals and SwiGLU priced as if their tensors were 16-bit."""
+    arch = from_model_config(_model())
+    fp32 = Layout(seq_len=64, precision=precision_for("fp32", 0))
+    bf16 = Layout(seq_len=64, precision=precision_for("bf16", 1, "bf16"))
+    assert elementwise_bytes(arch, fp32) == 2 * elementwise_bytes(arch, bf16)
+
+
+def _model():
+    from loomtrain.config import ModelConfig
+
+    return ModelConfig(n_layers=4, dim=128, n_heads=4, vocab_size=65, max_seq_len=64)
+
+
+def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monkeypatch, capsys):
+    """Catches: `plan --calibrate` writing a spec its own loader refuses, missing the group figures or
+    the GEMM curve, or `--parallel.auto`'s local_spec measuring again instead of reading the cache."""
+    monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
+    assert cmd_plan(["--calibrate", "--ranks", "2"]) == 0
+    path = cached_spec_path(2)
+    assert str(path) in capsys.readouterr().out
+    before = (path.stat().st_mtime_ns, path.read_text())
+    cluster = local_spec(2).to_cluster()
+    assert (path.stat().st_mtime_ns, path.read_text()) == before
+    assert cluster.gpus == 2 and [g[0] for g in cluster.group_links] == [2]
+    busbw, latency = cluster.link(False, 2)
+    assert busbw > 1e6 and 0 < latency < 0.1
+    curve = cluster.device.gemm_curve
+    assert len(curve) >= 5 and all(rate > 1e8 for _, rate in curve)
+    assert cluster.device.memory_bytes_per_s > 1e8 and cluster.device.element_bytes == 4
+    layout = Layout(seq_len=64, micro_batch=2, dp=2, n_micro=3, precision=precision_for("fp32", 0))
+    assert 0 < step_time(from_model_config(_model()), layout, cluster).total < 10
+    assert cmd_plan(["--calibrate", "--ranks", "3"]) == 2 and "power of two" in capsys.readouterr().err
+    assert os.path.exists(path)
+
+
+def test_a_one_rank_spec_has_no_group_figures_and_loads():
+    """Catches: `--parallel.auto` on one process failing because the calibrated spec of one rank (no
+    collective to measure) writes empty group lists its own loader refuses."""
+    measured = {"curve": [(1e6, 1e10), (1e9, 5e10)], "bandwidth": 1e10, "collectives": {}}
+    cluster = parse_cluster_spec(tomllib.loads(spec_toml(measured, 1)), where="one").to_cluster()
+    assert cluster.gpus == 1 and cluster.group_links == () and cluster.device.gemm_rate(1e9) == pytest.approx(5e10)
+    two = {**measured, "collectives": {2: (1e9, 1e-4)}}
+    assert parse_cluster_spec(tomllib.loads(spec_toml(two, 2)), where="two").to_cluster().link(False, 2) == (1e9, 1e-4)
+
+
+def test_search_keeps_to_the_world_size_and_breaks_ties_by_less_recomputation_and_zero():
+    """Catches: layouts for another GPU count (tp = 2 listed for 3 GPUs), and recomputation or a
+    higher ZeRO stage chosen when predicted free (hidden under communication or compute), which
+    they are not on a real machine."""
+    arch = from_model_config(_model())
+    result = search(arch, spec().to_cluster(), 12, seq_len=64, world=3, precision=precision_for("fp32", 0))
+    assert result.plans and all(p.layout.gpus == 3 for p in result.plans)
+    keys = [(p.step.total, RECOMPUTE.index(p.layout.recompute), p.layout.zero_stage) for p in result.plans]
+    assert keys == sorted(keys) and len({k[0] for k in keys}) < len(keys), "the case must contain ties"
+
+
+def test_kendall_tau():
+    """Catches: τ that counts ties as agreement, or is not symmetric in sign (the own-run ranking check)."""
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="one length"):
+        kendall_tau([1], [1])
