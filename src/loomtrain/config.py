@@ -338,7 +338,9 @@ DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500, "streaming_diloco": 100, "
 # Streaming DiLoCo (Douillard et al. 2025, Fig. 6): "3 layers per fragment across all model scales".
 BLOCKS_PER_FRAGMENT = 3
 # data_parallel fields that only streaming_diloco reads.
-STREAMING_FIELDS = ("fragments", "overlap_steps", "mixing_alpha", "outer_grad_dtype")
+STREAMING_FIELDS = ("fragments", "overlap_steps", "mixing_alpha")
+# Modes whose outer gradients may cross the dp group quantized (data_parallel.outer_grad_dtype).
+QUANTIZED_OUTER_MODES = ("diloco", "streaming_diloco")
 # data_parallel fields that only async reads.
 ASYNC_FIELDS = ("max_staleness", "staleness_policy")
 # Modes with an outer optimizer (outer_lr, outer_momentum, outer_nesterov).
@@ -476,10 +478,10 @@ class DataParallelConfig(_Section):
     outer_grad_dtype: Literal["fp32", "bf16", "int8"] = Field(
         "fp32",
         description=(
-            "streaming_diloco only: the dtype outer gradients cross the dp group in. `fp32`: one all-reduce. `bf16`"
-            " / `int8` (a scale per 1024 elements): each replica's outer gradient is all-gathered in that dtype"
-            " and summed in fp32, as Streaming DiLoCo sums its 4-bit outer gradients (torch has no 4-bit float"
-            " arithmetic)."
+            "diloco and streaming_diloco: the dtype outer gradients cross the dp group in. `fp32`: one all-reduce."
+            " `bf16` / `int8` (a scale per 1024 elements): each replica's outer gradient is all-gathered in that"
+            " dtype and summed in fp32, as Streaming DiLoCo sums its 4-bit outer gradients (torch has no 4-bit"
+            " float arithmetic)."
         ),
     )
 
@@ -516,6 +518,11 @@ class DataParallelConfig(_Section):
             raise ValueError(
                 f"data_parallel.{', data_parallel.'.join(streaming)} only appl{'ies' if len(streaming) == 1 else 'y'}"
                 f" to data_parallel.mode='streaming_diloco' (got mode={self.mode!r}); drop them or set the mode"
+            )
+        if self.mode not in QUANTIZED_OUTER_MODES and self._changed("outer_grad_dtype"):
+            raise ValueError(
+                f"data_parallel.outer_grad_dtype={self.outer_grad_dtype!r} only applies to data_parallel.mode='diloco'"
+                f" or 'streaming_diloco' (got mode={self.mode!r}); drop it or set the mode"
             )
         if self.mode == "sync" and self.inner_steps is not None:
             raise ValueError(

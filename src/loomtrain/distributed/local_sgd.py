@@ -514,6 +514,11 @@ class StreamingOuterSync(OuterSync):
         return {**super().state_dict(), "fragments": len(self.spans), "pending": pending}
 
     def _restore(self, state: dict[str, Any]) -> None:
+        if "fragments" not in state:
+            raise ValueError(
+                "the checkpoint's DiLoCo state was written with fp32 outer gradients (one all-reduce), this run "
+                f"sends them in {self.outer_grad_dtype}: resume with data_parallel.outer_grad_dtype='fp32'"
+            )
         if state.get("fragments") != len(self.spans):
             raise ValueError(
                 f"the checkpoint's streaming DiLoCo state has {state.get('fragments')} fragments, this run "
@@ -528,7 +533,8 @@ class StreamingOuterSync(OuterSync):
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                      group: dist.ProcessGroup, hook: CommHook) -> Any:  # fmt: skip
     """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
-    :class:`StreamingOuterSync` for ``streaming_diloco``; the state of the asynchronous mode,
+    :class:`StreamingOuterSync` for ``streaming_diloco``, and with one fragment and no overlap for
+    ``diloco`` with a 16- or 8-bit ``outer_grad_dtype``; the state of the asynchronous mode,
     :class:`~loomtrain.distributed.async_dp.AsyncOuter`, for ``async``),
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
     synchronizer's, a :class:`LocalOnlyHook`). A collective."""
@@ -538,7 +544,12 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
         from loomtrain.distributed.async_dp import AsyncOuter  # it imports this module
 
         return AsyncOuter([p for p in model.parameters() if p.requires_grad], inner_optimizer, cfg, group, hook)
-    if cfg.mode == "streaming_diloco":
+    if cfg.mode == "diloco" and cfg.outer_grad_dtype != "fp32":
+        # DiLoCo is streaming DiLoCo with one fragment and no overlap (tested equal in fp32), so its
+        # quantized outer gradients take that path (Streaming DiLoCo §2.5 quantizes them; the
+        # DiLoCo paper's own are fp32).
+        cfg = cfg.model_copy(update={"fragments": 1, "overlap_steps": 0})
+    if cfg.mode == "streaming_diloco" or cfg.outer_grad_dtype != "fp32":
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         return StreamingOuterSync(named, inner_optimizer, group, cfg, hook)
     params = [p for p in model.parameters() if p.requires_grad]
