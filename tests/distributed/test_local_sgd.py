@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loomtrain.config import ConfigError, DataParallelConfig, ModelConfig, load_config
-from loomtrain.distributed.data_parallel import apply_data_parallel
+from loomtrain.distributed.data_parallel import AllReduceHook, apply_data_parallel
 from loomtrain.distributed.local_sgd import (
     LocalOnlyHook,
     OuterSync,
@@ -29,6 +29,7 @@ from loomtrain.distributed.local_sgd import (
     flatten,
     write_flat,
 )
+from loomtrain.distributed.parallel_dims import ParallelDims
 from loomtrain.distributed.traffic import GRADIENT_AXIS, all_gather_bytes, all_reduce_bytes
 from loomtrain.models import Transformer
 from tests.distributed.checks import check_result, run_checks, spawn_once
@@ -366,7 +367,10 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
     ("overrides", "field"),
     [
         (["--data_parallel.zero_stage=1"], "data_parallel.zero_stage=1"),
-        (["--parallel.tensor_parallel_degree=2"], "parallel.tensor_parallel_degree=2"),
+        (
+            ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"],
+            "parallel.tp_mode='sequence_parallel'",
+        ),
         (["--parallel.pipeline_parallel_degree=2"], "parallel.pipeline_parallel_degree=2"),
         (["--parallel.sequence_parallel_degree=2"], "parallel.sequence_parallel_degree=2"),
         (["--compression.method=int8"], "compression.method='int8'"),
@@ -374,10 +378,13 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
     ],
 )
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
-    """Catches: a local mode accepted with ZeRO, tp, pp, sp, compression or data balancing,
-    which would run with a gradient synchronizer or replica layout the outer sync ignores."""
-    with pytest.raises(ConfigError, match=f"data_parallel.mode='local_sgd' with {field}"):
+    """Catches: a local mode accepted with ZeRO, Megatron SP, pp, sp, compression or data
+    balancing, which would run with a gradient synchronizer or replica layout the outer sync
+    ignores (SP's norm gradients are partial per tp rank and the local modes skip their sum)."""
+    with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
+    with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=2"):
+        load_config(None, ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"])
 
 
 def test_mode_defaults_and_misplaced_settings():
@@ -514,3 +521,57 @@ def test_streaming_settings_refused_for_other_modes():
     """Catches: fragments/overlap settings given to diloco, which ignores them without a word."""
     with pytest.raises(ConfigError, match=re.escape("data_parallel.fragments only applies to data_parallel.mode='st")):
         load_config(None, ["--data_parallel.mode=diloco", "--data_parallel.fragments=2"])
+
+
+def train_local_tp(mode: str, extra: list[str]) -> dict[str, torch.Tensor]:
+    """``STEPS`` (3) steps of ``test_pipeline``'s 8-layer model with SGD + momentum and no
+    clipping on this group's layout; ``mode`` ``sync`` (the gradient all-reduce) or a local
+    mode with H = 1 (each rank keeps its gradient, the outer sync averages after every step).
+    Full parameters, gathered over tp."""
+    from loomtrain.models.parallelize import parallelize_llama
+    from loomtrain.trainer import train_step
+    from tests.distributed.test_pipeline import BASE, CPU, STEPS, batches
+
+    cfg = load_config(None, [*BASE, "--training.grad_clip=0", f"--data_parallel.mode={mode}", *extra,
+                             *([] if mode == "sync" else ["--data_parallel.inner_steps=1"])])  # fmt: skip
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    hook = AllReduceHook() if mode == "sync" else LocalOnlyHook()
+    pm = parallelize_llama(model, dims, cfg, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+    pm.sync.attach_optimizer(optimizer)
+    outer = build_outer_sync(cfg.data_parallel, model, optimizer, dims.grad_mesh.get_group(), hook)
+    t = cfg.training
+    for step in range(STEPS):
+        train_step(pm, optimizer, batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size),
+                   cfg, CPU)  # fmt: skip
+        if outer is not None:
+            outer.after_inner_step()
+    pm.sync.remove()
+    return {name: p.detach().clone() for name, p in pm.full_model().named_parameters()}
+
+
+def local_tp_cases() -> dict:
+    tp2 = ["--parallel.tensor_parallel_degree=2"]
+    return run_checks({
+        "sync_tp2": lambda: train_local_tp("sync", tp2),
+        "local_sgd_tp2": lambda: train_local_tp("local_sgd", tp2),
+        "diloco_tp2": lambda: train_local_tp("diloco", [*tp2, "--data_parallel.outer_lr=1",
+                                                        "--data_parallel.outer_momentum=0"]),
+    })  # fmt: skip
+
+
+def test_local_sgd_and_diloco_with_tensor_parallel_replicas_equal_sync():
+    """Catches: the outer sync averaging over the wrong group when each replica is a tp group
+    (over tp ranks, mixing different shards, or over the whole world), a tp shard missing from
+    the outer step, or a replica's shards diverging: at tp 2 × dp 2 (4 processes), local SGD
+    with H = 1 and DiLoCo with outer lr 1, no momentum (both exactly an average of the replicas
+    after each step) must equal synchronous tp 2 × dp 2 with SGD + momentum (1e-5 relative)."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    want = check_result(got, "sync_tp2")
+    for name in ("local_sgd_tp2", "diloco_tp2"):
+        params = check_result(got, name)
+        assert params.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
