@@ -975,19 +975,24 @@ class Config(_Section):
     @model_validator(mode="after")
     def _local_modes_compose(self) -> Config:
         """``data_parallel.mode`` local_sgd/diloco/streaming_diloco run on data parallelism with
-        Megatron tensor parallelism inside each replica (the outer sync averages each tp rank's
-        shards over its dp group); nothing else sharded, split or compressed inside a replica, for
-        now. ``async`` on plain data parallelism only."""
+        Megatron tensor parallelism inside each replica, local_sgd and fp32 diloco also with
+        pipeline parallelism (the outer sync averages each rank's shards or stage over its dp
+        group); nothing else sharded, split or compressed inside a replica, for now. ``async`` on
+        plain data parallelism only."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
         inner_tp = 1 if mode == "async" else p.tensor_parallel_degree
+        # Streaming's fragments (and DiLoCo's quantized path, which is streaming with one) are cut
+        # from the whole model's blocks, not a pipeline stage's: pp only with whole-model syncs.
+        whole = mode in ("local_sgd", "diloco") and self.data_parallel.outer_grad_dtype == "fp32"
+        inner_pp = p.pipeline_parallel_degree if whole else 1
         plain = [
             ("data_parallel.zero_stage", self.data_parallel.zero_stage, 0),
             ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce"),
             ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1),
-            ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
+            ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, inner_pp),
             ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, inner_tp),
             # Megatron SP's norm gradients are partial per tp rank, and 2D tp's replicated ones too:
             # their reduction is the gradient synchronizer's, which the local modes switch off.

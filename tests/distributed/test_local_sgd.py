@@ -371,20 +371,24 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
             ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"],
             "parallel.tp_mode='sequence_parallel'",
         ),
-        (["--parallel.pipeline_parallel_degree=2"], "parallel.pipeline_parallel_degree=2"),
         (["--parallel.sequence_parallel_degree=2"], "parallel.sequence_parallel_degree=2"),
         (["--compression.method=int8"], "compression.method='int8'"),
         (["--balance.data=true"], "balance.data=True"),
     ],
 )
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
-    """Catches: a local mode accepted with ZeRO, Megatron SP, pp, sp, compression or data
+    """Catches: a local mode accepted with ZeRO, Megatron SP, Ulysses sp, compression or data
     balancing, which would run with a gradient synchronizer or replica layout the outer sync
     ignores (SP's norm gradients are partial per tp rank and the local modes skip their sum)."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
     with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=2"):
         load_config(None, ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"])
+    # Streaming's fragments are cut from the whole model's blocks: a stage may hold none of one.
+    for mode in (["--data_parallel.mode=streaming_diloco"],
+                 ["--data_parallel.mode=diloco", "--data_parallel.outer_grad_dtype=int8"]):  # fmt: skip
+        with pytest.raises(ConfigError, match="with parallel.pipeline_parallel_degree=2 is not supported yet"):
+            load_config(None, [*mode, "--parallel.pipeline_parallel_degree=2"])
 
 
 def test_mode_defaults_and_misplaced_settings():
@@ -553,8 +557,10 @@ def train_local_tp(mode: str, extra: list[str]) -> dict[str, torch.Tensor]:
 
 
 def local_tp_cases() -> dict:
-    tp2 = ["--parallel.tensor_parallel_degree=2"]
+    tp2, pp2 = ["--parallel.tensor_parallel_degree=2"], ["--parallel.pipeline_parallel_degree=2"]
     return run_checks({
+        "sync_pp2": lambda: train_local_tp("sync", pp2),
+        "local_sgd_pp2": lambda: train_local_tp("local_sgd", pp2),
         "sync_tp2": lambda: train_local_tp("sync", tp2),
         "local_sgd_tp2": lambda: train_local_tp("local_sgd", tp2),
         "diloco_tp2": lambda: train_local_tp("diloco", [*tp2, "--data_parallel.outer_lr=1",
@@ -562,13 +568,19 @@ def local_tp_cases() -> dict:
     })  # fmt: skip
 
 
-def test_local_sgd_and_diloco_with_tensor_parallel_replicas_equal_sync():
-    """Catches: the outer sync averaging over the wrong group when each replica is a tp group
-    (over tp ranks, mixing different shards, or over the whole world), a tp shard missing from
-    the outer step, or a replica's shards diverging: at tp 2 × dp 2 (4 processes), local SGD
-    with H = 1 and DiLoCo with outer lr 1, no momentum (both exactly an average of the replicas
-    after each step) must equal synchronous tp 2 × dp 2 with SGD + momentum (1e-5 relative)."""
+def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sync():
+    """Catches: the outer sync averaging over the wrong group when each replica is a tp or pp
+    group (over tp ranks, mixing different shards, across pipeline stages, or over the whole
+    world), a shard or stage missing from the outer step, or a replica's parts diverging: at
+    tp 2 × dp 2 and pp 2 × dp 2 (4 processes), local SGD with H = 1 and DiLoCo with outer lr 1,
+    no momentum (both exactly an average of the replicas after each step) must equal synchronous
+    training of the same layout with SGD + momentum (1e-5 relative)."""
     got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    want = check_result(got, "sync_pp2")
+    params = check_result(got, "local_sgd_pp2")
+    assert params.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"local_sgd_pp2: {key}")
     want = check_result(got, "sync_tp2")
     for name in ("local_sgd_tp2", "diloco_tp2"):
         params = check_result(got, name)
