@@ -26,7 +26,7 @@ from loomtrain.distributed.parallel_dims import launch_env
 from loomtrain.federated.cli import cmd_fl, fl_parser
 from loomtrain.interop.hf import resolve_init_from
 from loomtrain.launch import ElasticSpec, die_with_parent, launch
-from loomtrain.planner.auto import auto_cluster, check_explicit, choose_layout, describe, file_fields
+from loomtrain.planner.auto import asks_for_auto, auto_cluster, check_explicit, choose_layout, describe, file_fields
 from loomtrain.planner.cli import cmd_plan, plan_parser
 from loomtrain.preflight import check_launch, check_world, warn_if_oversubscribed
 from loomtrain.run_dir import apply_overwrite
@@ -68,8 +68,11 @@ def _parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], C
         overrides.append(f"--checkpoint.resume={args.resume}")
     if args.overwrite:
         overrides.append("--run.overwrite=true")
+    if asks_for_auto(rest):
+        check_explicit(rest)
     cfg = load_config(args.config, overrides)
-    check_explicit(cfg, rest)
+    if cfg.parallel.auto:  # also set by the config file
+        check_explicit(rest)
     # Before resolve_init_from, whose re-validated full dump marks every field as given.
     args.replaced = file_fields(cfg) if cfg.parallel.auto else []
     return args, overrides, resolve_init_from(cfg)

@@ -973,6 +973,17 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _auto_plans_sync_training(self) -> Config:
+        """``parallel.auto`` prices synchronous data parallelism (planner/time.py): a plan for another
+        data_parallel.mode would be priced for a run it is not."""
+        if self.parallel.auto and self.data_parallel.mode != "sync":
+            raise ValueError(
+                f"parallel.auto=true with data_parallel.mode={self.data_parallel.mode!r}: the planner prices "
+                "synchronous data parallelism only; drop parallel.auto and set the layout, or use mode 'sync'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _local_modes_compose(self) -> Config:
         """``data_parallel.mode`` local_sgd/diloco/streaming_diloco run on data parallelism with
         Megatron tensor parallelism inside each replica, local_sgd and fp32 diloco also with
@@ -1005,8 +1016,15 @@ class Config(_Section):
         for name, value, needed in plain:
             if value != needed:
                 raise ValueError(
-                    f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (each dp rank must be "
-                    f"one whole, uncompressed replica); set {name}={needed!r} or data_parallel.mode='sync'"
+                    f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
+                    "by Megatron tp, or by a pipeline for local_sgd and fp32 diloco, but not otherwise sharded or "
+                    f"compressed); set {name}={needed!r}"
+                    + (
+                        ", data_parallel.outer_grad_dtype='fp32'"
+                        if name.endswith("pipeline_parallel_degree") and mode == "diloco"
+                        else ""
+                    )
+                    + " or data_parallel.mode='sync'"
                 )
         if mode == "async" and self.simulate.speed_change:
             raise ValueError(

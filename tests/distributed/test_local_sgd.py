@@ -265,7 +265,7 @@ def diloco_quantized():
     """DiLoCo built by ``build_outer_sync`` with fp32 and with int8 outer gradients (H = 3, 7 AdamW
     steps, the last forced): the outer sync's class and fragments, the final parameters, the bytes
     sent, and the replicas' parameter spread at the end."""
-    runs = {}
+    runs, outers = {}, {}
     for dtype in ("fp32", "int8"):
         model, sync, opt = make_model("adamw", LocalOnlyHook(), CFG2)
         cfg = DataParallelConfig(mode="diloco", inner_steps=3, outer_grad_dtype=dtype)
@@ -273,10 +273,17 @@ def diloco_quantized():
         for s in range(STEPS):
             inner_step(model, sync, opt, s)
             outer.after_inner_step(force=s == STEPS - 1)
-        params = flatten(list(model.parameters()))
+        params, outers[dtype] = flatten(list(model.parameters())), outer
         runs[dtype] = {"kind": type(outer).__name__, "fragments": len(getattr(outer, "spans", [None])),
                        "outer_steps": outer.outer_steps, "params": params, "sent": sync.hook.bytes_sent,
                        "spread": gathered_spread(params)}  # fmt: skip
+    refused = []
+    for into, source in (("fp32", "int8"), ("int8", "fp32")):
+        try:
+            outers[into].load_state_dict(outers[source].state_dict())
+        except ValueError as err:
+            refused.append(str(err))
+    runs["refused"] = refused
     return runs
 
 
@@ -467,7 +474,9 @@ def test_streaming_resume_with_an_all_reduce_in_flight_continues_exactly():
 def test_diloco_sends_int8_outer_gradients_and_stays_close_to_fp32():
     """Catches: data_parallel.outer_grad_dtype accepted for plain DiLoCo but ignored (fp32 bytes
     sent), quantized outer gradients summed differently on the two replicas (their parameters would
-    drift apart), or a quantization error far beyond int8's (a wrong scale or a dropped block).
+    drift apart), a quantization error far beyond int8's (a wrong scale or a dropped block), or a
+    checkpoint of one dtype resumed by the other with its state silently dropped (the two count
+    inner steps differently).
     int8 with a scale per 1,024 elements keeps a relative error of about 1/254 of each block's
     largest value per replica, so the parameters after 2 outer steps (lr 0.7, momentum 0.9) stay
     within 1e-2 relative of fp32's, and far from equal to them."""
@@ -479,6 +488,7 @@ def test_diloco_sends_int8_outer_gradients_and_stays_close_to_fp32():
     assert 3.5 < fp32["sent"] / int8["sent"] < 4.0
     rel = ((int8["params"] - fp32["params"]).norm() / fp32["params"].norm()).item()
     assert 1e-7 < rel < 1e-2, rel
+    assert len(runs["refused"]) == 2 and all("resume with the outer_grad_dtype" in m for m in runs["refused"])
 
 
 def test_outer_grad_dtype_is_refused_for_modes_without_an_outer_gradient_exchange_it_could_change():

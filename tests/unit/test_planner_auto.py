@@ -102,8 +102,8 @@ def test_bpe_without_vocab_size_is_refused(spec):
 # and no pipeline, and tp = 2 with Megatron SP is refused with ZeRO-3. The fastest plan cannot pass
 # both (dp = 4 for the first, 2 for the second), so at least one case skips a faster plan.
 ACCEPTS = {
-    "local_sgd": (["--data_parallel.mode=local_sgd"],
-                  lambda lay: (lay.zero_stage, lay.tp, lay.sp, lay.pp, lay.dp_replicate) == (0, 1, 1, 1, 1)),
+    "tied": (["--model.tie_embeddings=true"],
+             lambda lay: lay.pp == 1 and not (lay.sequence_parallel and lay.zero_stage == 3)),
     "fixed_split": (["--balance.samples_per_rank=[4, 4]"],
                     lambda lay: lay.dp == 2 and lay.pp == 1 and not (lay.sequence_parallel and lay.zero_stage == 3)),
 }  # fmt: skip
@@ -205,3 +205,24 @@ def test_train_runs_the_planned_layout(tmp_path, spec):
             saved["training"]["activation_checkpointing"]) == (
         lay.dp, lay.tp, lay.sp, lay.pp, lay.zero_stage, lay.micro_batch, lay.recompute)  # fmt: skip
     assert len((Path(tmp_path) / "auto" / "metrics.jsonl").read_text().splitlines()) >= 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "nproc", "message"),
+    [
+        ([], "3", "measures --nproc=3 ranks, and the measurement needs a power of two"),
+        (["--parallel.auto_cluster=nope"], "2", "parallel.auto_cluster='nope': no such file or spec name"),
+        (["--parallel.auto_cluster=dgx-a100", "--data_parallel.mode=diloco"], "2",
+         "the planner prices synchronous data parallelism only"),
+        (["--parallel.auto_cluster=dgx-a100", "--parallel.pipeline_schedule=gpipe"], "2",
+         "parallel.auto=true chooses parallel.pipeline_schedule itself"),
+    ],
+)  # fmt: skip
+def test_auto_input_errors_are_clear(tmp_path, capsys, extra, nproc, message):
+    """Catches (a fresh user's break test): a traceback about a `--ranks` flag never given for
+    `--nproc 3`, a spec error naming `--cluster` (another flag of `loomtrain train`), a plan for
+    synchronous training silently applied to DiLoCo, and a planned field reported by its value's
+    own validation instead of the conflict with auto."""
+    code = cli.main(["train", *TINY, "--nproc", nproc, f"--run.out_dir={tmp_path}/runs", "--parallel.auto=true",
+                     *extra])  # fmt: skip
+    assert code == 2 and message in capsys.readouterr().err

@@ -15,10 +15,10 @@ from loomtrain.planner.calibrate import cached_spec_path, local_spec, spec_toml
 from loomtrain.planner.cli import cmd_plan
 from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
 from loomtrain.planner.cost import DEVICES, Gemm
-from loomtrain.planner.memory import RECOMPUTE, Layout, precision_for
+from loomtrain.planner.memory import RECOMPUTE, Layout, device_params, precision_for
 from loomtrain.planner.published import kendall_tau
 from loomtrain.planner.search import search
-from loomtrain.planner.time import DGX_A100, elementwise_bytes, step_time
+from loomtrain.planner.time import DGX_A100, dp_all_reduce_seconds, elementwise_bytes, step_time, zero3_seconds
 
 CPU = {"name": "box", "peak_tflops": 0.1, "memory_gb_per_s": 20, "memory_gib": 8, "element_bytes": 4,
        "gemm_curve": [[1e6, 0.01], [1e8, 0.05], [1e10, 0.1]]}  # fmt: skip
@@ -43,6 +43,26 @@ def test_spec_devices_and_group_links_reach_the_time_model():
     assert DGX_A100.link(False, 8) == (300e9 * 0.8, 5e-6), "specs without group figures are unchanged"
 
 
+def test_collectives_add_to_the_step_where_they_cannot_hide():
+    """Catches: `comm_overlap = false` (CPU ranks on every core) parsed but ignored, so the gradient
+    all-reduce and ZeRO-3's gathers stay hidden under compute; or applied to the layouts that have
+    no such collective (one replica: nothing changes)."""
+    arch = from_model_config(_model())
+    hidden, exposed = spec().to_cluster(), spec(comm_overlap=False).to_cluster()
+    assert hidden.comm_overlap and not exposed.comm_overlap
+    for zero in (0, 3):
+        layout = Layout(seq_len=64, micro_batch=2, dp=4, n_micro=2, zero_stage=zero, precision=precision_for("fp32", 0))
+        a, b = step_time(arch, layout, hidden), step_time(arch, layout, exposed)
+        params = device_params(arch, layout)
+        all_reduce = dp_all_reduce_seconds(arch, layout, exposed, params)
+        gathers = layout.n_micro * sum(zero3_seconds(arch, layout, exposed))
+        assert b.total == pytest.approx(a.total - a.dp_exposed + all_reduce + gathers) and b.total > a.total
+    alone = Layout(seq_len=64, micro_batch=2, n_micro=2, precision=precision_for("fp32", 0))
+    assert step_time(arch, alone, hidden).total == step_time(arch, alone, exposed).total
+    with pytest.raises(ClusterSpecError, match=r"s.hosts\[0\].comm_overlap='no': give true or false"):
+        spec(comm_overlap="no")
+
+
 @pytest.mark.parametrize(
     ("devices", "host", "message"),
     [
@@ -53,11 +73,14 @@ def test_spec_devices_and_group_links_reach_the_time_model():
         ([CPU], {"group_gb_per_s": [1.0]}, r"s.hosts\[0\].group_gb_per_s=\[1.0\]: give a list of 2 numbers"),
         ([CPU], {"group_sizes": [1, 4]}, r"s.hosts\[0\].group_sizes=\[1, 4\]: give a list of distinct"),
         ([CPU], {"device": "boxx"}, r"s.hosts\[0\].device='boxx' is unknown.* or a \[\[devices\]\] name \(box\)"),
+        ([{**CPU, "peak_tflops": 0.05}], {}, r"s.devices\[0\].gemm_curve has a rate above peak_tflops=0.05"),
+        ([CPU], {"group_sizes": [2, 8]}, r"s.hosts\[0\].group_sizes=\[2, 8\]: .* at most devices_per_host=4"),
     ],
 )
 def test_bad_device_and_group_fields_are_named(devices, host, message):
     """Catches: a malformed measured spec accepted (a curve point without its rate, 3-byte elements,
-    a device shadowing the datasheet table, group lists of unequal length) or an error not naming the field."""
+    a device shadowing the datasheet table, group lists of unequal length, a curve faster than the
+    peak (MFU above 100 %), a group larger than its host) or an error not naming the field."""
     with pytest.raises(ClusterSpecError, match=message):
         parse_cluster_spec({"devices": devices, "hosts": [{**HOST, **host}], "network": NETWORK}, where="s")
     partial = {k: v for k, v in HOST.items() if k != "group_latency_us"}
@@ -131,6 +154,33 @@ def test_search_keeps_to_the_world_size_and_breaks_ties_by_less_recomputation_an
     assert result.plans and all(p.layout.gpus == 3 for p in result.plans)
     keys = [(p.step.total, RECOMPUTE.index(p.layout.recompute), p.layout.zero_stage) for p in result.plans]
     assert keys == sorted(keys) and len({k[0] for k in keys}) < len(keys), "the case must contain ties"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--top", "-2"], "--top=-2 must be at least 1"),
+        (["--gpus", "0"], "--gpus=0 must be at least 1"),
+        (["--seq-len", "0"], "--seq-len=0 must be at least 1"),
+        (["--memory-fraction", "5"], "--memory-fraction=5.0 must be in (0, 1]"),
+    ],
+)
+def test_plan_refuses_numbers_out_of_range(argv, message, capsys):
+    """Catches: `--top -2` slicing off the last rows, `--gpus 0` or `--seq-len 0` read as "the
+    default", a memory fraction above 1 (found by a fresh user's break test)."""
+    assert cmd_plan(["--model", "llama3-8b", "--cluster", "dgx-a100", "--global-batch", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_refuses_a_bad_out_path_or_too_many_ranks_before_measuring(tmp_path, capsys):
+    """Catches: a directory, a path under a file, or 1,024 measuring processes found only after the
+    measurement (or as a traceback): the checks run first and answer with exit code 2."""
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path, "is a directory"), (tmp_path / "file" / "spec.toml", "is not a directory")):
+        assert cmd_plan(["--calibrate", "--ranks", "2", "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert cmd_plan(["--calibrate", "--ranks", "1024"]) == 2
+    assert "processes per core" in capsys.readouterr().err
 
 
 def test_kendall_tau():

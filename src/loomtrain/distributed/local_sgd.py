@@ -241,6 +241,14 @@ class OuterSync:
             log.warning("no %s state in the checkpoint: the loaded parameters start a new inner phase", self.mode)
             self.global_flat.copy_(flatten(self.params))
             self.inner_done = 0
+        elif ("fragments" in state) != isinstance(self, StreamingOuterSync):
+            # DiLoCo with quantized outer gradients runs as one-fragment streaming, whose step counter
+            # counts from the start, not from the last outer step: the two states do not mix.
+            raise ValueError(
+                "the checkpoint's DiLoCo state was written with data_parallel.outer_grad_dtype="
+                f"{'a 16- or 8-bit dtype' if 'fragments' in state else 'fp32'}; resume with the outer_grad_dtype "
+                "it was written with"
+            )
         else:
             self._restore(state)
         check_identical(self.global_flat, self.group, "the global parameters θ_global")
@@ -420,7 +428,8 @@ class StreamingOuterSync(OuterSync):
             cfg.overlap_steps, cfg.mixing_alpha, cfg.outer_grad_dtype,
         )  # fmt: skip
         self.pending: list[InFlight] = []
-        super().__init__(params, inner_optimizer, group, "streaming_diloco", h, cfg.outer_lr, cfg.outer_momentum,
+        # cfg.mode: "diloco" when build_outer_sync runs DiLoCo's quantized outer gradients through here.
+        super().__init__(params, inner_optimizer, group, cfg.mode, h, cfg.outer_lr, cfg.outer_momentum,
                          cfg.outer_nesterov, hook)  # fmt: skip
 
     def _build_outer_optimizer(self, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
@@ -514,11 +523,6 @@ class StreamingOuterSync(OuterSync):
         return {**super().state_dict(), "fragments": len(self.spans), "pending": pending}
 
     def _restore(self, state: dict[str, Any]) -> None:
-        if "fragments" not in state:
-            raise ValueError(
-                "the checkpoint's DiLoCo state was written with fp32 outer gradients (one all-reduce), this run "
-                f"sends them in {self.outer_grad_dtype}: resume with data_parallel.outer_grad_dtype='fp32'"
-            )
         if state.get("fragments") != len(self.spans):
             raise ValueError(
                 f"the checkpoint's streaming DiLoCo state has {state.get('fragments')} fragments, this run "

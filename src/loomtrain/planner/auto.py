@@ -84,17 +84,24 @@ def _planned(section: str, name: str) -> bool:
     return name in PLANNED_FIELDS.get(section, ())
 
 
-def check_explicit(cfg: Config, overrides: list[str]) -> None:
-    """With ``parallel.auto=true``, refuse a planned field (:data:`PLANNED_FIELDS`) given on the command
+def asks_for_auto(overrides: list[str]) -> bool:
+    """Whether the command line's ``overrides`` leave ``parallel.auto`` true (the last one given wins,
+    as in :func:`~loomtrain.config.load_config`: the launcher hands its workers ``--parallel.auto=false``
+    after the user's ``--parallel.auto=true``)."""
+    values = [parse_override(o)[1] for o in overrides if o.startswith("--parallel.auto=")]
+    return bool(values) and values[-1] is True
+
+
+def check_explicit(overrides: list[str]) -> None:
+    """For ``parallel.auto=true``: refuse a planned field (:data:`PLANNED_FIELDS`) given on the command
     line (``overrides``, ``--section.key=value``): the user asked for two things at once. One the config
     file sets is replaced by the plan (:func:`file_fields` names them), so a config written for one
-    layout still runs with ``--parallel.auto=true``.
+    layout still runs with ``--parallel.auto=true``. Call it before the config is validated, so this
+    is the error the user sees rather than one about the refused field's value.
 
     Raises:
         ConfigError: naming the fields and the fix.
     """
-    if not cfg.parallel.auto:
-        return
     given = [".".join(path) for path, _ in map(parse_override, overrides) if _planned(*path)]
     if given:
         raise ConfigError(
@@ -119,14 +126,22 @@ def auto_cluster(cfg: Config, world: int) -> Cluster:
     Raises:
         ConfigError: an unknown or invalid spec.
     """
+    if world < 1:
+        raise ConfigError(f"--nproc={world} must be at least 1")
     if not cfg.parallel.auto_cluster:
+        if world & (world - 1):
+            raise ConfigError(
+                f"parallel.auto=true on this machine measures --nproc={world} ranks, and the measurement needs a "
+                "power of two (1, 2, 4, ...); use such an --nproc, or set parallel.auto_cluster to a spec "
+                "(`loomtrain plan --calibrate --ranks N --out spec.toml`, or a name in configs/clusters)"
+            )
         from loomtrain.planner.calibrate import local_spec  # measures this machine: only when asked to
 
         return local_spec(world).to_cluster()
     try:
-        return load_cluster_spec(cfg.parallel.auto_cluster).to_cluster()
+        return load_cluster_spec(cfg.parallel.auto_cluster, flag="parallel.auto_cluster").to_cluster()
     except ValueError as err:
-        raise ConfigError(f"parallel.auto_cluster={cfg.parallel.auto_cluster!r}: {err}") from None
+        raise ConfigError(str(err)) from None
 
 
 def vocab_size(cfg: Config) -> int:

@@ -22,6 +22,10 @@ What each rank measures, all ranks at once:
   groups do): the latency from a 4-byte all-reduce over its ``2(g-1)`` ring steps, the bus bandwidth
   from a :data:`COLLECTIVE_BYTES` one with nccl-tests' convention (``busbw = S/t · 2(g-1)/g``,
   nccl-tests doc/PERFORMANCE.md). Because busbw is measured, the spec's ``link_efficiency`` is 1.
+- **Whether collectives hide under compute** (``comm_overlap``): not when the ranks take every
+  core, as gloo's reductions and the kernel's socket copies then run on the cores the compute
+  needs (on the own-run check, docs/planner.md, pricing them unhidden took the error from 13.5 %
+  to 10.5 %).
 
 A figure is the mean over ranks (they share the machine's cores, so their rates are each other's
 complement). About 10 s on a 2-core machine.
@@ -56,6 +60,8 @@ COLLECTIVE_CALLS = 20
 EAGER_ROWS, EAGER_WIDTH = 4096, 1024
 COLLECTIVE_BYTES = 8 * 2**20
 LATENCY_BYTES = 4
+# The most measuring processes per core calibrate starts (more would take minutes to spawn and mean little).
+MAX_RANKS_PER_CORE = 8
 # A calibrated spec older than this is measured again (software and load change).
 MAX_AGE_DAYS = 7
 
@@ -164,6 +170,14 @@ def combine(per_rank: list[dict]) -> dict:
     return {"curve": curve, "bandwidth": _mean(r["bandwidth"] for r in per_rank), "collectives": collectives}
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def host_memory_bytes() -> float:
     """MemTotal of ``/proc/meminfo`` (bytes), or the physical pages × page size where it is missing."""
     try:
@@ -213,7 +227,8 @@ def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
         f'name = "{name}"',
         f'source = "measured {when} on {device_name(torch.device("cpu"))}, torch {torch.__version__}, {ranks} ranks"',
         "", *_device_lines(measured, ranks, name), "",
-        "[[hosts]]", "count = 1", f"devices_per_host = {ranks}", f'device = "{name}-cpu"', *host, "",
+        "[[hosts]]", "count = 1", f"devices_per_host = {ranks}", f'device = "{name}-cpu"', *host,
+        f"comm_overlap = {'true' if ranks < usable_cores() else 'false'}    # a core left for gloo's threads?", "",
         *network, "",
     ]  # fmt: skip
     return "\n".join(lines)
@@ -228,6 +243,9 @@ def calibrate(ranks: int, timeout_s: float = 120.0) -> str:
     """
     if ranks < 1 or ranks & (ranks - 1):
         raise ValueError(f"--ranks={ranks}: give a power of two (1, 2, 4, ...)")
+    if ranks > MAX_RANKS_PER_CORE * usable_cores():
+        raise ValueError(f"--ranks={ranks}: more than {MAX_RANKS_PER_CORE} processes per core of this machine's "
+                         f"{usable_cores()}; a run of so many would not be worth planning here")  # fmt: skip
     from loomtrain.distributed.spawn import spawn
 
     return spec_toml(combine(spawn(_rank_measurements, ranks, ranks, timeout_s=timeout_s)), ranks)

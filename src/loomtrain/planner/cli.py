@@ -8,6 +8,7 @@ rejected ones by reason. Every figure is a prediction of ``planner/time.py`` and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -67,6 +68,14 @@ def resolve_model(name: str) -> Architecture:
     raise ValueError(f"--model={name!r}: not a file and not a preset; presets: {known}")
 
 
+def _count(n: float) -> str:
+    """``174.6B``, ``12.6M``, ``65.3K``: a parameter count at a readable scale."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
 def _row(rank: int, plan: Plan) -> str:
     lay, gib = plan.layout, plan.memory_bytes / 2**30
     dp = f"{lay.dp_replicate}×{lay.dp_shard}" if lay.dp_replicate > 1 else str(lay.dp)
@@ -78,7 +87,7 @@ def _row(rank: int, plan: Plan) -> str:
 def report(result: SearchResult, spec: ClusterSpec, arch: Architecture, top: int, world: int | None = None) -> str:
     """The printed answer: the cluster, the top layouts as a Markdown table, the rejections by reason."""
     cluster = spec.to_cluster()
-    lines = [f"{arch.name or 'model'} ({arch.param_count() / 1e9:.1f}B parameters) on {spec.name}: "
+    lines = [f"{arch.name or 'model'} ({_count(arch.param_count())} parameters) on {spec.name}: "
              f"{world or spec.gpus} of {spec.gpus} × {cluster.device.name}, "
              f"{cluster.device.memory_bytes / 2**30:.0f} GiB each"
              + (" (heterogeneous: priced as its slowest, smallest parts)" if spec.heterogeneous else ""),
@@ -87,7 +96,8 @@ def report(result: SearchResult, spec: ClusterSpec, arch: Architecture, top: int
              "| # | dp | ZeRO | tp | SP | sp | pp | v | b | m | recompute | GiB/device | step s | tokens/s | MFU % |",
              "|" + " ---: |" * 4 + " --- |" + " ---: |" * 5 + " --- |" + " ---: |" * 4]  # fmt: skip
     lines += [_row(i + 1, plan) for i, plan in enumerate(result.plans[:top])]
-    lines += ["", "rejected:"] + [f"  {n:,} {REASONS[r]}" for r, n in sorted(result.rejected.items())]
+    if result.rejected:
+        lines += ["", "rejected:"] + [f"  {n:,} {REASONS[r]}" for r, n in sorted(result.rejected.items())]
     if not result.plans:
         lines.append("no layout fits: add GPUs, lower --global-batch or --seq-len, or raise --memory-fraction")
     return "\n".join(lines)
@@ -98,6 +108,10 @@ def cmd_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     if args.calibrate:
         return _calibrate(args.ranks, args.out)
+    bad = _bad_numbers(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return EXIT_USAGE
     names = ("model", "cluster", "global_batch")
     missing = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is None]
     if missing:
@@ -115,20 +129,48 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+def _bad_numbers(args: argparse.Namespace) -> str:
+    """Why a numeric flag is out of range (empty: all fit)."""
+    for flag, value in (("--top", args.top), ("--gpus", args.gpus), ("--seq-len", args.seq_len),
+                        ("--global-batch", args.global_batch)):  # fmt: skip
+        if value is not None and value < 1:
+            return f"{flag}={value} must be at least 1"
+    if not 0 < args.memory_fraction <= 1:
+        return f"--memory-fraction={args.memory_fraction} must be in (0, 1]: the share of device memory to fill"
+    return ""
+
+
+def _out_problem(path: Path) -> str:
+    """Why ``path`` cannot receive the spec (empty: it can), checked before measuring."""
+    if path.is_dir():
+        return "is a directory; give a file name"
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"{parent} is not a directory"
+    if parent is not None and not os.access(parent, os.W_OK):
+        return f"{parent} is not writable"
+    return ""
+
+
 def _calibrate(ranks: int, out: str | None) -> int:
     """Measure ``ranks`` processes on this machine, write the spec to ``out`` (default: the cache
     :func:`~loomtrain.planner.calibrate.local_spec` reads) and print it."""
     from loomtrain.cache import write_atomic
     from loomtrain.planner.calibrate import cached_spec_path, calibrate
 
+    path = Path(out) if out else cached_spec_path(ranks)
+    problem = _out_problem(path)
+    if problem:
+        print(f"error: --out={path}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         text = calibrate(ranks)
-    except ValueError as err:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text.encode())
+        path.chmod(0o644)  # a spec is meant to be read by others (write_atomic's temporary file is 0600)
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    path = Path(out) if out else cached_spec_path(ranks)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text.encode())
     print(text)
     print(f"wrote {path}; use it with: loomtrain plan --cluster {path} --model ... --global-batch ...")
     return 0

@@ -38,6 +38,7 @@ collective figures by group size::
     group_sizes = [2, 4]        # optional, with the two below: measured all-reduce busbw and
     group_gb_per_s = [3.1, 2.2] # latency per ring step of groups of each size inside the host
     group_latency_us = [40, 60]
+    comm_overlap = false        # optional (default true): collectives cannot run under compute here
 
 A heterogeneous spec is priced as its slowest and smallest parts (:meth:`ClusterSpec.to_cluster`):
 synchronous training waits for the slowest rank, and every rank of a layout holds the same share.
@@ -58,7 +59,7 @@ from loomtrain.planner.time import Cluster
 SPEC_DIR = Path(__file__).resolve().parents[3] / "configs" / "clusters"
 _GROUP_FIELDS = ("group_sizes", "group_gb_per_s", "group_latency_us")
 _HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_latency_us", "gemm_efficiency",
-                *_GROUP_FIELDS}  # fmt: skip
+                "comm_overlap", *_GROUP_FIELDS}  # fmt: skip
 _DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve", "source"}
 _NETWORK_FIELDS = {"inter_gb_per_s", "inter_latency_us", "link_efficiency"}
 _TOP_FIELDS = {"name", "source", "hosts", "network", "devices"}
@@ -79,6 +80,8 @@ class HostGroup:
         intra_latency_s: seconds per ring step or send inside the host.
         gemm_efficiency: share of the device's peak the best-shaped GEMM reaches.
         group_links: measured ``(group size, busbw bytes/s, latency s)`` inside the host (may be empty).
+        comm_overlap: whether collectives run under compute on this host
+            (:attr:`~loomtrain.planner.time.Cluster.comm_overlap`).
     """
 
     count: int
@@ -88,6 +91,7 @@ class HostGroup:
     intra_latency_s: float
     gemm_efficiency: float
     group_links: tuple[tuple[int, float, float], ...] = ()
+    comm_overlap: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class ClusterSpec:
             name=self.name,
             source=self.source,
             group_links=_slowest_links(self.hosts),
+            comm_overlap=all(g.comm_overlap for g in self.hosts),
         )
 
 
@@ -209,6 +214,12 @@ def _spec_device(where: str, table: Any) -> Device:
     element_bytes = table.get("element_bytes", 2)
     if element_bytes not in (1, 2, 4, 8):
         raise ClusterSpecError(f"{where}.element_bytes={element_bytes!r}: give 1, 2, 4 or 8")
+    curve = _curve(where, table["gemm_curve"]) if "gemm_curve" in table else ()
+    if curve and max(rate for _, rate in curve) > peak * (1 + 1e-6):
+        raise ClusterSpecError(
+            f"{where}.gemm_curve has a rate above peak_tflops={peak / 1e12:g}: the peak is the fastest GEMM; "
+            "raise peak_tflops to the curve's top rate or fix the curve"
+        )
     return Device(
         name=table["name"].lower(),
         peak_flops_per_s=peak,
@@ -217,7 +228,7 @@ def _spec_device(where: str, table: Any) -> Device:
         memory_bytes=_number(where, table, "memory_gib", 0) * 2**30,
         mamf_flops_per_s=peak,
         element_bytes=element_bytes,
-        gemm_curve=_curve(where, table["gemm_curve"]) if "gemm_curve" in table else (),
+        gemm_curve=curve,
     )
 
 
@@ -251,6 +262,10 @@ def _host_group(where: str, table: Any, devices: dict[str, Device]) -> HostGroup
     _unknown(where, table, _HOST_FIELDS)
     _whole(where, table, "count"), _whole(where, table, "devices_per_host")
     dev = _host_device(where, table, devices)
+    links = _group_links(where, table)
+    if any(size > table["devices_per_host"] for size, _, _ in links):
+        raise ClusterSpecError(f"{where}.group_sizes={table['group_sizes']!r}: a group inside a host has at most "
+                               f"devices_per_host={table['devices_per_host']} devices")  # fmt: skip
     efficiency = table.get("gemm_efficiency", dev.mamf_flops_per_s / dev.peak_flops_per_s)
     return HostGroup(
         count=table["count"],
@@ -259,8 +274,16 @@ def _host_group(where: str, table: Any, devices: dict[str, Device]) -> HostGroup
         intra_bytes_per_s=_number(where, table, "intra_gb_per_s", 0) * 1e9,
         intra_latency_s=_number(where, table, "intra_latency_us", -1e-12) / 1e6,
         gemm_efficiency=_number(where, {"gemm_efficiency": efficiency}, "gemm_efficiency", 0, 1),
-        group_links=_group_links(where, table),
+        group_links=links,
+        comm_overlap=_flag(where, table, "comm_overlap", True),
     )
+
+
+def _flag(where: str, table: dict[str, Any], field: str, default: bool) -> bool:
+    value = table.get(field, default)
+    if not isinstance(value, bool):
+        raise ClusterSpecError(f"{where}.{field}={value!r}: give true or false")
+    return value
 
 
 def parse_cluster_spec(doc: dict[str, Any], where: str = "cluster spec") -> ClusterSpec:
@@ -289,9 +312,9 @@ def parse_cluster_spec(doc: dict[str, Any], where: str = "cluster spec") -> Clus
     )
 
 
-def spec_path(name_or_path: str) -> Path:
+def spec_path(name_or_path: str, flag: str = "--cluster") -> Path:
     """The file of a spec given as a path, or as a name of ``configs/clusters/`` (``dgx-a100`` or
-    ``dgx_a100``).
+    ``dgx_a100``); ``flag`` names where it was given, for the error.
 
     Raises:
         ClusterSpecError: neither a file nor a known name; the message lists the known names.
@@ -303,16 +326,17 @@ def spec_path(name_or_path: str) -> Path:
     if named.is_file():
         return named
     known = ", ".join(sorted(p.stem.replace("_", "-") for p in SPEC_DIR.glob("*.toml"))) or "none found"
-    raise ClusterSpecError(f"--cluster={name_or_path!r}: no such file or spec name; known names: {known}")
+    raise ClusterSpecError(f"{flag}={name_or_path!r}: no such file or spec name; known names: {known}")
 
 
-def load_cluster_spec(name_or_path: str) -> ClusterSpec:
-    """Read and validate a cluster spec (a TOML path, or a name of ``configs/clusters/``).
+def load_cluster_spec(name_or_path: str, flag: str = "--cluster") -> ClusterSpec:
+    """Read and validate a cluster spec (a TOML path, or a name of ``configs/clusters/``) given by
+    ``flag`` (named in the errors).
 
     Raises:
         ClusterSpecError: as :func:`spec_path` and :func:`parse_cluster_spec`, or invalid TOML.
     """
-    path = spec_path(name_or_path)
+    path = spec_path(name_or_path, flag)
     try:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:

@@ -66,6 +66,10 @@ class Cluster:
         group_links: measured ``(group size, busbw bytes/s, latency s)`` of collectives inside a host,
             by group size (a calibrated spec, ``planner/calibrate.py``); empty: the intra-host link
             serves every group size.
+        comm_overlap: whether the data-parallel and ZeRO-3 collectives can run under compute. True for
+            GPUs (the copy engines and NCCL's kernels run beside the compute kernels); False for CPU
+            ranks that occupy every core, where gloo's reductions and the kernel's socket copies
+            take the cores the compute needs, so the collectives add to the step.
 
     Raises:
         ValueError: a size or bandwidth not positive, or an efficiency outside (0, 1].
@@ -83,6 +87,7 @@ class Cluster:
     name: str = ""
     source: str = ""
     group_links: tuple[tuple[int, float, float], ...] = ()
+    comm_overlap: bool = True
 
     def __post_init__(self) -> None:
         for field in ("devices_per_host", "intra_bytes_per_s", "inter_bytes_per_s"):
@@ -339,10 +344,16 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     return gather, gathers_in_backward * gather + collective(params * p.grad_bytes)
 
 
+def sum_of(compute: float, communication: float) -> float:
+    """Compute and communication one after the other (no overlap): their sum."""
+    return compute + communication
+
+
 def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float, float]:
     """``(forward, backward, tp_comm, p2p)`` of one micro-batch on the last pipeline stage, the slowest:
     ``layers_per_chunk · virtual_stages`` blocks, the head, one send each way; under ZeRO-3 each pass
-    takes the longer of its compute and its overlapped gathers (:func:`zero3_seconds`).
+    takes the longer of its compute and its overlapped gathers (:func:`zero3_seconds`), or their
+    sum where ``cluster.comm_overlap`` is false.
 
     Raises:
         ValueError: as :func:`layer_seconds` and :func:`~loomtrain.planner.memory.layers_per_chunk`.
@@ -352,8 +363,9 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
     head = head_times(arch, layout.seq_len // layout.sp, layout.micro_batch, cluster.compute_device, layout.tp, True)
     send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
     gather_f, gather_b = zero3_seconds(arch, layout, cluster)
-    forward = max(layers * layer_f + head.forward, gather_f) + send
-    backward = max(layers * layer_b + head.backward, gather_b) + send
+    hide = max if cluster.comm_overlap else sum_of
+    forward = hide(layers * layer_f + head.forward, gather_f) + send
+    backward = hide(layers * layer_b + head.backward, gather_b) + send
     return forward, backward, layers * layer_tp, 2 * send
 
 
@@ -384,7 +396,8 @@ def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
     """Seconds of one training step of ``arch`` with ``layout`` on ``cluster`` (module docstring).
 
     The data-parallel all-reduce overlaps the last micro-batch's backward on the stage (buckets of
-    finished gradients go out while earlier layers still compute); what exceeds it is exposed.
+    finished gradients go out while earlier layers still compute); what exceeds it is exposed. All
+    of it is, where ``cluster.comm_overlap`` is false.
 
     Raises:
         ValueError: as :func:`micro_batch_seconds`.
@@ -401,7 +414,7 @@ def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
         p2p=p2p,
         pipeline=layout.n_micro * (forward + backward) / (1 - bubble),
         bubble=bubble,
-        dp_exposed=max(0.0, dp - backward),
+        dp_exposed=max(0.0, dp - backward) if cluster.comm_overlap else dp,
         optimizer=optimizer_seconds(layout, cluster, params),
         zero3_comm=sum(zero3_seconds(arch, layout, cluster)),
     )
