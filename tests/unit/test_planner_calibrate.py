@@ -10,8 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from loomtrain.planner import calibrate as calibrate_module
 from loomtrain.planner.arch import from_model_config
-from loomtrain.planner.calibrate import cached_spec_path, local_spec, spec_toml
+from loomtrain.planner.calibrate import DISTURBED_MARK, cached_spec_path, disturbance, local_spec, spec_toml
 from loomtrain.planner.cli import cmd_plan
 from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
 from loomtrain.planner.cost import DEVICES, Gemm
@@ -143,6 +144,22 @@ def test_a_one_rank_spec_has_no_group_figures_and_loads():
     assert cluster.gpus == 1 and cluster.group_links == () and cluster.device.gemm_rate(1e9) == pytest.approx(5e10)
     two = {**measured, "collectives": {2: (1e9, 1e-4)}}
     assert parse_cluster_spec(tomllib.loads(spec_toml(two, 2)), where="two").to_cluster().link(False, 2) == (1e9, 1e-4)
+
+
+def test_a_disturbed_calibration_is_marked_and_not_cached(tmp_path, monkeypatch):
+    """Catches: a spec measured while other processes held the cores (it priced every own run 60-100 %
+    too slow) cached for a week and used by every later `--parallel.auto`, or a fair share misjudged
+    for more ranks than cores (4 ranks on 2 cores hold half a core each, undisturbed)."""
+    assert disturbance(0.97, 2, 2) == "" and disturbance(0.48, 4, 2) == ""
+    assert "held 45% of a core" in disturbance(0.45, 2, 2) and disturbance(0.3, 4, 2)
+    measured = {"curve": [(1e6, 1e10), (1e9, 5e10)], "bandwidth": 1e10, "collectives": {2: (1e9, 1e-4)}}
+    quiet, busy = spec_toml({**measured, "cpu_share": 1.0}, 2), spec_toml({**measured, "cpu_share": 0.3}, 2)
+    assert not quiet.startswith(DISTURBED_MARK) and busy.startswith(DISTURBED_MARK)
+    monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda ranks: busy)  # a loaded machine, on demand
+    assert local_spec(2).to_cluster().gpus == 2 and not cached_spec_path(2).exists()
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda ranks: quiet)
+    assert local_spec(2).to_cluster().gpus == 2 and cached_spec_path(2).read_text() == quiet
 
 
 def test_search_keeps_to_the_world_size_and_breaks_ties_by_less_recomputation_and_zero():

@@ -33,10 +33,12 @@ complement). About 10 s on a 2-core machine.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import statistics
 import time
+import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 
 from loomtrain.cache import cache_dir, write_atomic
 from loomtrain.hardware import device_name
-from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec
+from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec, parse_cluster_spec
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)
 # Each figure is a mean over this many seconds of back-to-back calls (at least MIN_CALLS): several
@@ -55,11 +57,16 @@ WINDOW_S = 0.25
 MIN_CALLS = 3
 # Calls of each timed collective (a fixed count: a window would let ranks disagree on it and hang).
 COLLECTIVE_CALLS = 20
+log = logging.getLogger(__name__)
 # The eager elementwise mix's tensors: 4,096 tokens of width 1,024, fp32 (16 MiB each): a micro-batch's
 # activations, beyond the caches of a CPU core as a block's working set is.
 EAGER_ROWS, EAGER_WIDTH = 4096, 1024
 COLLECTIVE_BYTES = 8 * 2**20
 LATENCY_BYTES = 4
+# A rank holding less than this share of its fair share of a core while measuring was disturbed.
+UNDISTURBED_SHARE = 0.8
+# Marks a spec measured while other processes used the cores (its first line); such a spec is not cached.
+DISTURBED_MARK = "# DISTURBED:"
 # The most measuring processes per core calibrate starts (more would take minutes to spawn and mean little).
 MAX_RANKS_PER_CORE = 8
 # A calibrated spec older than this is measured again (software and load change).
@@ -152,10 +159,12 @@ def measure_collectives(ranks: int) -> dict[int, tuple[float, float]]:
 def _rank_measurements(ranks: int) -> dict:
     """What one rank measures (module docstring); runs inside :func:`loomtrain.distributed.spawn.spawn`."""
     dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
     curve = measure_gemm_curve()
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     dist.barrier()
     bandwidth = measure_memory_bandwidth()
-    return {"curve": curve, "bandwidth": bandwidth, "collectives": measure_collectives(ranks)}
+    return {"curve": curve, "bandwidth": bandwidth, "collectives": measure_collectives(ranks), "cpu_share": share}
 
 
 def _mean(values) -> float:
@@ -167,7 +176,20 @@ def combine(per_rank: list[dict]) -> dict:
     curve = [(flops, _mean(r["curve"][i][1] for r in per_rank)) for i, (flops, _) in enumerate(per_rank[0]["curve"])]
     sizes = sorted(per_rank[0]["collectives"])
     collectives = {g: tuple(_mean(r["collectives"][g][j] for r in per_rank) for j in (0, 1)) for g in sizes}
-    return {"curve": curve, "bandwidth": _mean(r["bandwidth"] for r in per_rank), "collectives": collectives}
+    return {"curve": curve, "bandwidth": _mean(r["bandwidth"] for r in per_rank), "collectives": collectives,
+            "cpu_share": min(r.get("cpu_share", 1.0) for r in per_rank)}  # fmt: skip
+
+
+def disturbance(cpu_share: float, ranks: int, cores: int) -> str:
+    """Why a calibration was disturbed (empty: it was not): a rank held less than
+    :data:`UNDISTURBED_SHARE` of its fair share of a core, ``min(1, cores / ranks)``, while it
+    measured GEMMs (CPU time over wall time), so other processes were using the cores and every
+    figure is too slow for the machine's own runs."""
+    fair = min(1.0, cores / ranks)
+    if cpu_share >= UNDISTURBED_SHARE * fair:
+        return ""
+    return (f"a rank held {cpu_share:.0%} of a core while measuring, against a fair share of {fair:.0%}: other "
+            "processes were using the cores; measure again on a quiet machine")  # fmt: skip
 
 
 def usable_cores() -> int:
@@ -221,7 +243,9 @@ def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
     :func:`combine`'s figures."""
     when = datetime.now(UTC).isoformat(timespec="seconds")
     host, network = _link_lines(measured["collectives"])
+    reason = disturbance(measured.get("cpu_share", 1.0), ranks, usable_cores())
     lines = [
+        *([f"{DISTURBED_MARK} {reason}"] if reason else []),
         f"# Measured by `loomtrain plan --calibrate --ranks {ranks}` on {when}: one device is one of {ranks}",
         f"# processes (one torch thread each) on this machine ({os.cpu_count()} logical CPUs), measuring at once.",
         f'name = "{name}"',
@@ -258,7 +282,8 @@ def cached_spec_path(ranks: int) -> Path:
 
 def local_spec(ranks: int) -> ClusterSpec:
     """The measured spec of ``ranks`` processes on this machine: the cached one when younger than
-    :data:`MAX_AGE_DAYS`, else measured now (:func:`calibrate`) and cached atomically.
+    :data:`MAX_AGE_DAYS`, else measured now (:func:`calibrate`) and cached atomically, unless the
+    measurement was disturbed (:func:`disturbance`: then it serves this call only, with a warning).
 
     Raises:
         as :func:`calibrate`.
@@ -266,6 +291,11 @@ def local_spec(ranks: int) -> ClusterSpec:
     path = cached_spec_path(ranks)
     if path.is_file() and time.time() - path.stat().st_mtime < MAX_AGE_DAYS * 86400:
         return load_cluster_spec(str(path))
+    text = calibrate(ranks)
+    if text.startswith(DISTURBED_MARK):
+        log.warning("this machine's spec was measured while other processes used the cores (%s); it is used "
+                    "for this run only, not cached", text.splitlines()[0])  # fmt: skip
+        return parse_cluster_spec(tomllib.loads(text), where="the measured spec")
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, calibrate(ranks).encode())
+    write_atomic(path, text.encode())
     return load_cluster_spec(str(path))

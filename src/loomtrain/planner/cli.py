@@ -156,7 +156,7 @@ def _calibrate(ranks: int, out: str | None) -> int:
     """Measure ``ranks`` processes on this machine, write the spec to ``out`` (default: the cache
     :func:`~loomtrain.planner.calibrate.local_spec` reads) and print it."""
     from loomtrain.cache import write_atomic
-    from loomtrain.planner.calibrate import cached_spec_path, calibrate
+    from loomtrain.planner.calibrate import DISTURBED_MARK, cached_spec_path, calibrate
 
     path = Path(out) if out else cached_spec_path(ranks)
     problem = _out_problem(path)
@@ -172,5 +172,7 @@ def _calibrate(ranks: int, out: str | None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
+    if text.startswith(DISTURBED_MARK):
+        print(f"warning: {text.splitlines()[0].removeprefix(DISTURBED_MARK).strip()}", file=sys.stderr)
     print(f"wrote {path}; use it with: loomtrain plan --cluster {path} --model ... --global-batch ...")
     return 0
