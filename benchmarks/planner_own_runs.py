@@ -28,6 +28,7 @@ from pathlib import Path
 from loomtrain.cache import write_atomic
 from loomtrain.config import load_config
 from loomtrain.planner.arch import from_model_config
+from loomtrain.planner.auto import vocab_size
 from loomtrain.planner.calibrate import cached_spec_path, calibrate
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec
 from loomtrain.planner.memory import Layout, precision_for
@@ -103,20 +104,10 @@ def fresh_spec(ranks: int) -> ClusterSpec:
     return load_cluster_spec(str(path))
 
 
-def vocab_size() -> int:
-    """The default job's character vocabulary (its tokenizer over the plays)."""
-    from loomtrain.data.corpus import load_corpus
-    from loomtrain.data.tokenizer import build_tokenizer
-
-    cfg = load_config(CONFIG)
-    train_text, val_text = load_corpus(cfg.data)
-    return build_tokenizer(cfg.data.tokenizer, train_text + val_text, cfg.data.bpe_vocab_size).vocab_size
-
-
 def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
     """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
     run in alternating order), their MAPE and Kendall τ."""
-    names, vocab, rows = names or list(CONFIGS), vocab_size(), []
+    names, vocab, rows = names or list(CONFIGS), vocab_size(load_config(CONFIG)), []
     clusters = {w: fresh_spec(w).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
     measured: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as out_dir:

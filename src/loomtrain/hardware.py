@@ -293,6 +293,11 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (sched_getaffinity(2)), else ``os.cpu_count()``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parse_cpuinfo(text: str) -> list[dict[str, str]]:
     """``/proc/cpuinfo`` (proc(5)) as one ``{field: value}`` per logical processor (blank-line separated)."""
     cpus = []

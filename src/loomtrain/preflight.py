@@ -24,6 +24,7 @@ from loomtrain.cluster.throttle import CORE_CAP, parse_speed_changes, place_rank
 from loomtrain.config import Config, ConfigError, read_toml
 from loomtrain.data import check_data_files
 from loomtrain.distributed.parallel_dims import ParallelDims, is_main_process
+from loomtrain.hardware import usable_cpus
 
 # Settings a resumed run must share with the run it continues: the checkpoint's tensors and
 # the saved tokenizer only fit these.
@@ -113,8 +114,7 @@ def warn_if_oversubscribed(nproc: int) -> None:
         threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1").split(",")[0]))
     except ValueError:
         threads = 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    message = oversubscription_warning(nproc, threads, cpus)
+    message = oversubscription_warning(nproc, threads, usable_cpus())
     if message is not None:
         print(message, file=sys.stderr, flush=True)
 

@@ -161,9 +161,10 @@ def vocab_size(cfg: Config) -> int:
             "learned vocabulary never exceeds)"
         )
     from loomtrain.data.corpus import load_corpus
+    from loomtrain.data.tokenizer import build_tokenizer
 
     train_text, val_text = load_corpus(cfg.data)
-    return len(set(train_text).union(val_text))
+    return build_tokenizer(cfg.data.tokenizer, train_text + val_text, cfg.data.bpe_vocab_size).vocab_size
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:

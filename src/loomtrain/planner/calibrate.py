@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loomtrain.cache import cache_dir, write_atomic
-from loomtrain.hardware import device_name
+from loomtrain.collective_bench import bus_factor
+from loomtrain.hardware import device_name, usable_cpus
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec, parse_cluster_spec
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)
@@ -129,7 +130,7 @@ def _groups(ranks: int, size: int) -> list[list[int]]:
 
 
 def _timed_all_reduce(nbytes: int, group) -> float:
-    """Median seconds of a barrier (all ranks start together) and an all-reduce of ``nbytes`` in ``group``."""
+    """Mean seconds of a barrier (all ranks start together) and an all-reduce of ``nbytes`` in ``group``."""
     buf = torch.zeros(max(1, nbytes // 4))
 
     def run() -> None:
@@ -152,7 +153,7 @@ def measure_collectives(ranks: int) -> dict[int, tuple[float, float]]:
         barrier = _mean_seconds(dist.barrier, calls=COLLECTIVE_CALLS)
         latency = max(_timed_all_reduce(LATENCY_BYTES, mine) - barrier, 1e-7) / steps
         seconds = max(_timed_all_reduce(COLLECTIVE_BYTES, mine) - barrier - steps * latency, 1e-9)
-        found[size] = (COLLECTIVE_BYTES / seconds * steps / size, latency)
+        found[size] = (COLLECTIVE_BYTES / seconds * bus_factor("all_reduce", size), latency)
     return found
 
 
@@ -190,14 +191,6 @@ def disturbance(cpu_share: float, ranks: int, cores: int) -> str:
         return ""
     return (f"a rank held {cpu_share:.0%} of a core while measuring, against a fair share of {fair:.0%}: other "
             "processes were using the cores; measure again on a quiet machine")  # fmt: skip
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where that is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def host_memory_bytes() -> float:
@@ -243,7 +236,7 @@ def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
     :func:`combine`'s figures."""
     when = datetime.now(UTC).isoformat(timespec="seconds")
     host, network = _link_lines(measured["collectives"])
-    reason = disturbance(measured.get("cpu_share", 1.0), ranks, usable_cores())
+    reason = disturbance(measured.get("cpu_share", 1.0), ranks, usable_cpus())
     lines = [
         *([f"{DISTURBED_MARK} {reason}"] if reason else []),
         f"# Measured by `loomtrain plan --calibrate --ranks {ranks}` on {when}: one device is one of {ranks}",
@@ -252,7 +245,7 @@ def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
         f'source = "measured {when} on {device_name(torch.device("cpu"))}, torch {torch.__version__}, {ranks} ranks"',
         "", *_device_lines(measured, ranks, name), "",
         "[[hosts]]", "count = 1", f"devices_per_host = {ranks}", f'device = "{name}-cpu"', *host,
-        f"comm_overlap = {'true' if ranks < usable_cores() else 'false'}    # a core left for gloo's threads?", "",
+        f"comm_overlap = {'true' if ranks < usable_cpus() else 'false'}    # a core left for gloo's threads?", "",
         *network, "",
     ]  # fmt: skip
     return "\n".join(lines)
@@ -267,9 +260,9 @@ def calibrate(ranks: int, timeout_s: float = 120.0) -> str:
     """
     if ranks < 1 or ranks & (ranks - 1):
         raise ValueError(f"--ranks={ranks}: give a power of two (1, 2, 4, ...)")
-    if ranks > MAX_RANKS_PER_CORE * usable_cores():
+    if ranks > MAX_RANKS_PER_CORE * usable_cpus():
         raise ValueError(f"--ranks={ranks}: more than {MAX_RANKS_PER_CORE} processes per core of this machine's "
-                         f"{usable_cores()}; a run of so many would not be worth planning here")  # fmt: skip
+                         f"{usable_cpus()}; a run of so many would not be worth planning here")  # fmt: skip
     from loomtrain.distributed.spawn import spawn
 
     return spec_toml(combine(spawn(_rank_measurements, ranks, ranks, timeout_s=timeout_s)), ranks)

@@ -39,6 +39,7 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, replace
 
 from loomtrain.distributed.pipeline.schedule import theoretical_bubble
@@ -344,11 +345,6 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     return gather, gathers_in_backward * gather + collective(params * p.grad_bytes)
 
 
-def sum_of(compute: float, communication: float) -> float:
-    """Compute and communication one after the other (no overlap): their sum."""
-    return compute + communication
-
-
 def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float, float]:
     """``(forward, backward, tp_comm, p2p)`` of one micro-batch on the last pipeline stage, the slowest:
     ``layers_per_chunk · virtual_stages`` blocks, the head, one send each way; under ZeRO-3 each pass
@@ -363,7 +359,7 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
     head = head_times(arch, layout.seq_len // layout.sp, layout.micro_batch, cluster.compute_device, layout.tp, True)
     send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
     gather_f, gather_b = zero3_seconds(arch, layout, cluster)
-    hide = max if cluster.comm_overlap else sum_of
+    hide = max if cluster.comm_overlap else operator.add  # unhidden: one after the other
     forward = hide(layers * layer_f + head.forward, gather_f) + send
     backward = hide(layers * layer_b + head.backward, gather_b) + send
     return forward, backward, layers * layer_tp, 2 * send
