@@ -3,7 +3,7 @@
 For each configuration of :data:`CONFIGS` (world 2 and 4: data parallelism, ZeRO 1 and 3, tensor
 parallelism, the pipeline, recomputation) it predicts the step time from a spec of this machine
 measured first (``loomtrain plan --calibrate --ranks N``, one per world size, measured afresh:
-:func:`fresh_spec`), then runs ``loomtrain train`` for :data:`STEPS` steps and measures the
+``local_spec(refresh=True)``), then runs ``loomtrain train`` for :data:`STEPS` steps and measures the
 median step time after :data:`WARMUP` steps (from the times of its ``metrics.jsonl`` records, one
 per step). The model is a Llama of :data:`MODEL` (large enough that GEMMs, not Python overhead,
 dominate a step). Reported: each configuration's predicted and measured seconds and their error,
@@ -25,12 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loomtrain.cache import write_atomic
 from loomtrain.config import load_config
 from loomtrain.planner.arch import from_model_config
 from loomtrain.planner.auto import vocab_size
-from loomtrain.planner.calibrate import cached_spec_path, calibrate
-from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec
+from loomtrain.planner.calibrate import local_spec
 from loomtrain.planner.memory import Layout, precision_for
 from loomtrain.planner.published import kendall_tau
 from loomtrain.planner.time import step_time
@@ -94,21 +92,13 @@ def run_step_seconds(world: int, overrides: dict, out_dir: str, name: str) -> tu
     return statistics.median(times[s] - times[s - 1] for s in range(WARMUP + 1, STEPS)), done.stdout
 
 
-def fresh_spec(ranks: int) -> ClusterSpec:
-    """This machine's spec for ``ranks`` processes, measured now (the machine's speed drifts by
-    10-20 % over an afternoon: a cached spec would price today's runs at another hour's speed), and
-    written to the cache ``--parallel.auto`` reads, so its choice below is made on the same figures."""
-    path = cached_spec_path(ranks)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, calibrate(ranks).encode())
-    return load_cluster_spec(str(path))
-
-
 def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
     """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
     run in alternating order), their MAPE and Kendall τ."""
     names, vocab, rows = names or list(CONFIGS), vocab_size(load_config(CONFIG)), []
-    clusters = {w: fresh_spec(w).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
+    # Measured now (the machine's speed drifts 10-20 % over an afternoon: a cached spec would price
+    # these runs at another hour's speed) and cached, so --parallel.auto below plans on the same figures.
+    clusters = {w: local_spec(w, refresh=True).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
     measured: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as out_dir:
         for r in range(rounds):

@@ -148,7 +148,8 @@ def test_a_one_rank_spec_has_no_group_figures_and_loads():
 
 def test_a_disturbed_calibration_is_marked_and_not_cached(tmp_path, monkeypatch):
     """Catches: a spec measured while other processes held the cores (it priced every own run 60-100 %
-    too slow) cached for a week and used by every later `--parallel.auto`, or a fair share misjudged
+    too slow) cached for a week and used by every later `--parallel.auto`, also when `plan
+    --calibrate` wrote the cache (an explicit --out still keeps it), or a fair share misjudged
     for more ranks than cores (4 ranks on 2 cores hold half a core each, undisturbed)."""
     assert disturbance(0.97, 2, 2) == "" and disturbance(0.48, 4, 2) == ""
     assert "held 45% of a core" in disturbance(0.45, 2, 2) and disturbance(0.3, 4, 2)
@@ -158,6 +159,9 @@ def test_a_disturbed_calibration_is_marked_and_not_cached(tmp_path, monkeypatch)
     monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate_module, "calibrate", lambda ranks: busy)  # a loaded machine, on demand
     assert local_spec(2).to_cluster().gpus == 2 and not cached_spec_path(2).exists()
+    assert cmd_plan(["--calibrate", "--ranks", "2"]) == 0 and not cached_spec_path(2).exists()
+    assert cmd_plan(["--calibrate", "--ranks", "2", "--out", str(tmp_path / "kept.toml")]) == 0
+    assert (tmp_path / "kept.toml").read_text() == busy
     monkeypatch.setattr(calibrate_module, "calibrate", lambda ranks: quiet)
     assert local_spec(2).to_cluster().gpus == 2 and cached_spec_path(2).read_text() == quiet
 

@@ -273,22 +273,37 @@ def cached_spec_path(ranks: int) -> Path:
     return cache_dir() / f"cluster-local-{ranks}.toml"
 
 
-def local_spec(ranks: int) -> ClusterSpec:
+def write_spec(path: Path, text: str) -> None:
+    """Write a spec atomically (parent directories made), readable by all (0644: a spec is meant to
+    be shared; ``write_atomic``'s temporary file is 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text.encode())
+    path.chmod(0o644)
+
+
+def cache_spec(ranks: int, text: str) -> bool:
+    """Keep ``text`` as the cached spec of ``ranks`` processes, unless the measurement was disturbed
+    (:func:`disturbance`): a spec of a loaded machine would price every run for a week too slow.
+    Returns whether it was cached."""
+    if text.startswith(DISTURBED_MARK):
+        log.warning("this machine's spec was measured while other processes used the cores (%s); it is used "
+                    "for this run only, not cached", text.splitlines()[0])  # fmt: skip
+        return False
+    write_spec(cached_spec_path(ranks), text)
+    return True
+
+
+def local_spec(ranks: int, refresh: bool = False) -> ClusterSpec:
     """The measured spec of ``ranks`` processes on this machine: the cached one when younger than
-    :data:`MAX_AGE_DAYS`, else measured now (:func:`calibrate`) and cached atomically, unless the
-    measurement was disturbed (:func:`disturbance`: then it serves this call only, with a warning).
+    :data:`MAX_AGE_DAYS` (and not ``refresh``), else measured now (:func:`calibrate`) and cached
+    (:func:`cache_spec`: not when the measurement was disturbed).
 
     Raises:
         as :func:`calibrate`.
     """
     path = cached_spec_path(ranks)
-    if path.is_file() and time.time() - path.stat().st_mtime < MAX_AGE_DAYS * 86400:
+    if not refresh and path.is_file() and time.time() - path.stat().st_mtime < MAX_AGE_DAYS * 86400:
         return load_cluster_spec(str(path))
     text = calibrate(ranks)
-    if text.startswith(DISTURBED_MARK):
-        log.warning("this machine's spec was measured while other processes used the cores (%s); it is used "
-                    "for this run only, not cached", text.splitlines()[0])  # fmt: skip
-        return parse_cluster_spec(tomllib.loads(text), where="the measured spec")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text.encode())
-    return load_cluster_spec(str(path))
+    cache_spec(ranks, text)
+    return parse_cluster_spec(tomllib.loads(text), where=path.name)

@@ -154,9 +154,9 @@ def _out_problem(path: Path) -> str:
 
 def _calibrate(ranks: int, out: str | None) -> int:
     """Measure ``ranks`` processes on this machine, write the spec to ``out`` (default: the cache
-    :func:`~loomtrain.planner.calibrate.local_spec` reads) and print it."""
-    from loomtrain.cache import write_atomic
-    from loomtrain.planner.calibrate import DISTURBED_MARK, cached_spec_path, calibrate
+    :func:`~loomtrain.planner.calibrate.local_spec` reads, unless the measurement was disturbed)
+    and print it."""
+    from loomtrain.planner.calibrate import DISTURBED_MARK, cache_spec, cached_spec_path, calibrate, write_spec
 
     path = Path(out) if out else cached_spec_path(ranks)
     problem = _out_problem(path)
@@ -165,14 +165,17 @@ def _calibrate(ranks: int, out: str | None) -> int:
         return EXIT_USAGE
     try:
         text = calibrate(ranks)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text.encode())
-        path.chmod(0o644)  # a spec is meant to be read by others (write_atomic's temporary file is 0600)
+        if out:
+            write_spec(path, text)
+        written = bool(out) or cache_spec(ranks, text)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
     if text.startswith(DISTURBED_MARK):
         print(f"warning: {text.splitlines()[0].removeprefix(DISTURBED_MARK).strip()}", file=sys.stderr)
-    print(f"wrote {path}; use it with: loomtrain plan --cluster {path} --model ... --global-batch ...")
+    if written:
+        print(f"wrote {path}; use it with: loomtrain plan --cluster {path} --model ... --global-batch ...")
+    else:
+        print("not cached (disturbed): measure again on a quiet machine, or keep it with --out FILE")
     return 0
