@@ -1127,14 +1127,6 @@ class Config(_Section):
                 "supported: a skipped overflow step would leave inf in the error-feedback residuals; use "
                 "param_dtype='bf16' or compression.method='none'"
             )
-        megatron_sp = tp > 1 and self.parallel.tp_mode == "sequence_parallel"
-        if megatron_sp and (dp.zero_stage == 3 or dp.param_dtype != "fp32"):
-            raise ValueError(
-                f"parallel.tp_mode='sequence_parallel' with data_parallel.zero_stage={dp.zero_stage} and "
-                f"param_dtype={dp.param_dtype!r} is not supported yet (the norm weights' gradient sum over tp is "
-                "lost when ZeRO replaces the compute parameters); use zero_stage <= 2 with param_dtype='fp32', "
-                "or tp_mode='tensor_parallel'"
-            )
         split = sp * (tp if self.parallel.tp_mode == "sequence_parallel" else 1)
         if self.training.seq_len % split:
             raise ValueError(
@@ -1151,10 +1143,9 @@ class Config(_Section):
         p, m = self.parallel, self.model
         check_2d_shapes(p.tensor_parallel_degree, dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.kv_heads,
                         ffn_hidden_dim=m.hidden_dim, micro_batch_size=self.training.micro_batch_size)  # fmt: skip
-        # Each needs work the grid does not do yet (ZeRO's shard layout of 2D blocks, an uneven
-        # micro-batch per rank, the local modes' parameter averaging).
-        for name, value, allowed in (("data_parallel.zero_stage", self.data_parallel.zero_stage, 0),
-                                     ("data_parallel.mode", self.data_parallel.mode, "sync"),
+        # Each needs work the grid does not do yet (an uneven micro-batch per rank, the local
+        # modes' parameter averaging).
+        for name, value, allowed in (("data_parallel.mode", self.data_parallel.mode, "sync"),
                                      ("balance.data", self.balance.data, False)):  # fmt: skip
             if value != allowed:
                 raise ValueError(f"parallel.tp_mode='2d' with {name}={value!r} is not supported yet; set "

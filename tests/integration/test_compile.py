@@ -7,8 +7,8 @@ the loss by far more already at step 2).
 Compiling takes tens of seconds per distinct block graph on this machine, so every case is
 ``slow`` (``make test-all``): the composition with the most moving parts (ZeRO-3's parameter
 gathering around a compiled block that full activation checkpointing recomputes, over dp 2),
-plain dp, tp 2, tp 2 with Megatron sequence parallelism, pp 2, Ulysses and selective
-recomputation. They skip where inductor finds no C++ compiler; that a missing
+plain dp, tp 2, tp 2 with Megatron sequence parallelism, pp 2, Ulysses, selective
+recomputation and 2D tensor parallelism (4 processes). They skip where inductor finds no C++ compiler; that a missing
 compiler stops the run with a ``ConfigError`` is tested everywhere.
 """
 
@@ -51,6 +51,7 @@ SLOW = {
     "pp2": ["--parallel.pipeline_parallel_degree=2"],
     "ulysses2": ["--parallel.sequence_parallel_degree=2"],
 }
+GRID = {"tp4_2d": ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"]}  # 4 processes
 
 
 def losses(extra: list[str], compiled: bool) -> dict:
@@ -78,9 +79,9 @@ def losses(extra: list[str], compiled: bool) -> dict:
 
 
 def run_cases(group: str) -> dict:
-    """Each case of ``FAST`` or ``SLOW`` (``group``) eager and compiled, each a check of its own
-    (:func:`run_checks`)."""
-    cases = {"fast": FAST, "slow": SLOW}[group]
+    """Each case of ``FAST``, ``SLOW`` or ``GRID`` (``group``) eager and compiled, each a check
+    of its own (:func:`run_checks`)."""
+    cases = {"fast": FAST, "slow": SLOW, "grid": GRID}[group]
     return run_checks({f"{name}/{kind}": partial(losses, extra, kind == "compiled") for name, extra in cases.items()
                        for kind in ("eager", "compiled")})  # fmt: skip
 
@@ -91,8 +92,8 @@ def _one_compile_thread(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-def _assert_compiled_equals_eager(results, name: str) -> None:
-    for rank in range(2):
+def _assert_compiled_equals_eager(results, name: str, world: int = 2) -> None:
+    for rank in range(world):
         eager = check_result(results, f"{name}/eager", rank)
         compiled = check_result(results, f"{name}/compiled", rank)
         assert eager["graphs"][-1] == 0 and compiled["graphs"][0] >= 1, (name, rank)
@@ -126,6 +127,21 @@ def test_compiled_layouts_equal_eager(name):
     with Ulysses' all-to-alls, or with an attention core recomputed inside the compiled graph."""
     results = spawn_once(run_cases, 2, "slow", timeout_s=1800)
     _assert_compiled_equals_eager(results, name)
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_compiled_2d_grid_equals_eager():
+    """Catches: 2D linears and norms (SUMMA broadcasts and row all-reduces that count their
+    bytes in Python) traced into the compiled block, where dynamo guards on the counts and
+    recompiles at their calls until its limit (8), then runs them eager. All of that happens in
+    the first step, so the count of graphs is the check: kept eager, the 9 collective calls of a
+    block (7 linears, 2 norms) cut its forward into at most 10 pieces, compiled once for both
+    blocks (they share code); traced, the first step compiled 27 graphs."""
+    results = spawn_once(run_cases, 4, "grid", timeout_s=1200)
+    _assert_compiled_equals_eager(results, "tp4_2d", world=4)
+    for rank in range(4):
+        assert check_result(results, "tp4_2d/compiled", rank)["graphs"][0] <= 10, rank
 
 
 def test_missing_compiler_is_a_config_error():

@@ -53,7 +53,7 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     [
         # Slow: dp × tp runs below with ZeRO 3 and with Megatron SP + ZeRO 2, and in test_hsdp.py.
         pytest.param("dp2_tp2", 4, ["--parallel.tensor_parallel_degree=2"], marks=pytest.mark.slow),
-        # Slow: dp2_tp2_megatron_sp_zero2 below runs Megatron SP too (with dp and ZeRO 2).
+        # Slow: dp2_tp2_megatron_sp_zero3 below runs Megatron SP too (with dp and ZeRO 3).
         pytest.param(
             "tp2_megatron_sp",
             2,
@@ -95,13 +95,15 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
             ["--parallel.pipeline_parallel_degree=2", "--parallel.tensor_parallel_degree=2"],
             marks=pytest.mark.slow,
         ),
+        # ZeRO-3 computes with new full tensors: the norm weights' gradient hooks (their sum over tp)
+        # must move onto them.
         (
-            "dp2_tp2_megatron_sp_zero2",
+            "dp2_tp2_megatron_sp_zero3",
             4,
             [
                 "--parallel.tensor_parallel_degree=2",
                 "--parallel.tp_mode=sequence_parallel",
-                "--data_parallel.zero_stage=2",
+                "--data_parallel.zero_stage=3",
             ],
         ),
     ],
@@ -179,18 +181,25 @@ def test_two_way_checkpoint_resumes_on_other_layouts(tmp_path, reference, two_wa
 GRID = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"]
 
 
-# The 2D runs of make test are 4 steps of 2 micro-batches with a checkpoint at 2: each
-# micro-batch is hundreds of small gloo collectives (SUMMA broadcasts), about 0.7 s here.
-SHORT = ["--training.steps=4", "--checkpoint.interval=2", "--training.global_batch_size=4"]
+# The 2D runs are 5 steps of 2 micro-batches (one per rank at dp 2) with a checkpoint at 2 (kept):
+# each micro-batch is hundreds of small gloo collectives (SUMMA broadcasts), about 0.7 s here. The
+# vocabulary of 83 rows is padded to 84 on the q = 2 grid, so the padding rows are saved, loaded
+# and sharded by ZeRO too.
+SHORT = ["--training.steps=5", "--checkpoint.interval=2", "--checkpoint.keep_last=3", "--training.global_batch_size=4",
+         "--model.vocab_size=83"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
-    """A 2D (2 × 2 grid) run on 4 processes and its single-process reference, both 4 steps:
+    """A 2D (2 × 2 grid) run on 4 processes and its single-process reference, both 5 steps:
     the 2D run's summary, its run directory and the reference's losses (trained once)."""
     out = tmp_path_factory.mktemp("grid")
     train(1, out, "single", *SHORT)
     return train(4, out, "grid", *GRID, *SHORT), out / "grid", losses(out / "single")
+
+
+def after(step: int, run_losses: dict[int, float]) -> dict[int, float]:
+    return {s: v for s, v in run_losses.items() if s > step}
 
 
 def test_2d_grid_equals_single_process(grid):
@@ -203,25 +212,45 @@ def test_2d_grid_equals_single_process(grid):
     assert summary["comm_bytes_per_step_by_axis"]["tp_row"] > 0 and summary["comm_bytes_per_step_by_axis"]["tp_col"] > 0
 
 
-# Slow (make test-all, 45 s for 8 processes): the gradient average runs over the mesh's dp
-# group as under 1D tp; the grid changes only what each rank holds.
-@pytest.mark.slow
-def test_2d_grid_with_dp_equals_single_process(tmp_path, reference):
-    """Catches: gradients averaged over tp ranks instead of dp, or a dp group built across grid
-    positions: dp 2 × 2D's losses would move away from the single process's."""
-    train(8, tmp_path, "dp2_grid", *GRID)
-    assert_close(losses(tmp_path / "dp2_grid"), reference())
+# 8 processes, about 20 s each: dp 2 × 2D plain, with ZeRO-3 and pp 2 × 2D run in make test, the
+# other ZeRO stages and precisions in make test-all (ZeRO's stages share the 2D code path; stage 3
+# is the one that replaces the compute tensors).
+@pytest.mark.parametrize("name, extra", [
+    ("dp2_grid", []),
+    ("pp2_grid", ["--parallel.pipeline_parallel_degree=2"]),
+    ("dp2_grid_zero3", ["--data_parallel.zero_stage=3"]),
+    pytest.param("dp2_grid_zero1", ["--data_parallel.zero_stage=1"], marks=pytest.mark.slow),
+    pytest.param("dp2_grid_zero2", ["--data_parallel.zero_stage=2"], marks=pytest.mark.slow),
+    pytest.param("hsdp2_grid_zero2", ["--data_parallel.zero_stage=2", "--parallel.data_parallel_replicate_degree=2"],
+                 marks=pytest.mark.slow),
+    pytest.param("pp2_grid_zero1", ["--data_parallel.zero_stage=1", "--parallel.pipeline_parallel_degree=2"],
+                 marks=pytest.mark.slow),
+])  # fmt: skip
+def test_2d_grid_composed_equals_single_process(tmp_path, grid, name, extra):
+    """Catches: gradients averaged over tp ranks instead of dp (or a dp group built across grid
+    positions); a pipeline stage of the 2D model sending the wrong activation block, or the last
+    stage's 2D loss reading another grid row's targets; ZeRO reducing or updating a 2D block's
+    rows on the wrong dp rank, or its padded vocabulary rows: each moves the losses away from the
+    single process's. A ZeRO run's checkpoint is then resumed at 1 process: a master saved as
+    its dp rows only (not gathered into its grid block) would not load there."""
+    _, _, want = grid
+    train(8, tmp_path, name, *GRID, *SHORT, *extra)
+    assert_close(losses(tmp_path / name), want)
+    if "zero" in name:
+        checkpoint = tmp_path / name / "checkpoints" / "step_00000002"
+        train(1, tmp_path, "resumed", *SHORT, f"--checkpoint.resume={checkpoint}")
+        assert_close(after(2, losses(tmp_path / "resumed")), after(2, want))
 
 
-# Slow (make test-all, 40 s for 8 processes): the executor sends whatever shape a stage makes
-# (shapes travel in headers), and pp × 1D tp runs in tests/distributed/test_pipeline.py.
-@pytest.mark.slow
-def test_2d_grid_with_pp_equals_single_process(tmp_path, reference):
-    """Catches: a pipeline stage of the 2D model sending the wrong activation block, or the last
-    stage's 2D loss reading another grid row's targets: pp 2 × 2D's losses would move away from
-    the single process's."""
-    train(8, tmp_path, "pp2_grid", *GRID, "--parallel.pipeline_parallel_degree=2")
-    assert_close(losses(tmp_path / "pp2_grid"), reference())
+def test_2d_checkpoint_resumes_into_dp_and_zero3(tmp_path, grid):
+    """Catches: a 2D checkpoint loaded into ZeRO's masters without cutting each grid block into
+    this dp rank's rows (the wrong rows, or the padding rows of the vocabulary blocks, would be
+    stepped), or optimizer moments that stay at zero: the resumed dp 2 × 2D × ZeRO-3 run would
+    not continue the 2D run's losses."""
+    _, run, want = grid
+    checkpoint = run / "checkpoints" / "step_00000002"
+    train(8, tmp_path, "resumed", *GRID, *SHORT, "--data_parallel.zero_stage=3", f"--checkpoint.resume={checkpoint}")
+    assert_close(after(2, losses(tmp_path / "resumed")), after(2, want))
 
 
 @pytest.mark.parametrize(("world", "extra"), [(1, []), (2, ["--parallel.tensor_parallel_degree=2"])],
@@ -235,8 +264,7 @@ def test_2d_checkpoint_resumes_without_tp_and_with_1d_tp(tmp_path, grid, world, 
     checkpoint = run / "checkpoints" / "step_00000002"
     summary = train(world, tmp_path, "resumed", *SHORT, *extra, f"--checkpoint.resume={checkpoint}")
     assert summary["start_step"] == 2
-    resumed = losses(tmp_path / "resumed")
-    assert_close({s: v for s, v in resumed.items() if s > 2}, {s: v for s, v in want.items() if s > 2})
+    assert_close(after(2, losses(tmp_path / "resumed")), after(2, want))
 
 
 @pytest.mark.slow  # 8 processes; the grid's attention is local per rank, so Ulysses wraps it unchanged

@@ -99,13 +99,11 @@ def test_bpe_without_vocab_size_is_refused(spec):
 
 # Settings under which loomtrain accepts only some layouts: the local-SGD mode runs one whole replica
 # per rank (no ZeRO, tp, sp, pp or HSDP); a fixed split of the batch over two ranks needs dp = 2
-# and no pipeline, and tp = 2 with Megatron SP is refused with ZeRO-3. The fastest plan cannot pass
-# both (dp = 4 for the first, 2 for the second), so at least one case skips a faster plan.
+# and no pipeline. The fastest plan cannot pass both (dp = 4 for the first, 2 for the second), so
+# at least one case skips a faster plan.
 ACCEPTS = {
-    "tied": (["--model.tie_embeddings=true"],
-             lambda lay: lay.pp == 1 and not (lay.sequence_parallel and lay.zero_stage == 3)),
-    "fixed_split": (["--balance.samples_per_rank=[4, 4]"],
-                    lambda lay: lay.dp == 2 and lay.pp == 1 and not (lay.sequence_parallel and lay.zero_stage == 3)),
+    "tied": (["--model.tie_embeddings=true"], lambda lay: lay.pp == 1),
+    "fixed_split": (["--balance.samples_per_rank=[4, 4]"], lambda lay: lay.dp == 2 and lay.pp == 1),
 }  # fmt: skip
 
 

@@ -10,6 +10,7 @@ pieces.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -68,3 +69,37 @@ def clip_grad_norm_(
     if max_norm > 0:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
+
+
+@dataclass(frozen=True)
+class NormLayout:
+    """Where the other pieces of a rank's gradient live, for its global norm (the groups of
+    :func:`clip_grad_norm_`), shared by plain data parallelism and ZeRO.
+
+    Attributes:
+        tp_sharded: names of parameters split over ``tp_group`` (tensor parallelism: 1D
+            shards, or 2D blocks over the whole grid); their squares are summed over it.
+        tp_group: the tensor-parallel ranks, or ``None``.
+        pp_group: the pipeline ranks, which hold other layers, or ``None``.
+        replicated_group: where the parameters not in ``tp_sharded`` are split (2D tensor
+            parallelism's norm weights, split over a grid row), or ``None`` (the same on every
+            tp rank: counted once).
+    """
+
+    tp_sharded: Collection[str] = frozenset()
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    replicated_group: dist.ProcessGroup | None = None
+
+    def clip(self, named_grads: Iterable[tuple[str, torch.Tensor | None]], max_norm: float,
+             reduce_group: dist.ProcessGroup | None = None) -> torch.Tensor:  # fmt: skip
+        """:func:`clip_grad_norm_` of ``named_grads`` (``(name, gradient or None)``) over this
+        layout's groups, first summed over ``reduce_group`` (ZeRO's shard group) if given."""
+        sharded, replicated = split_by_tp(named_grads, self.tp_sharded)
+        return clip_grad_norm_(sharded, replicated, max_norm, reduce_group, self.tp_group, self.pp_group,
+                               self.replicated_group)  # fmt: skip
+
+    def model_groups(self) -> list[dist.ProcessGroup]:
+        """The tensor- and pipeline-parallel groups (those present): the ranks holding the
+        other parts of the model, which an overflow check must span."""
+        return [g for g in (self.tp_group, self.pp_group) if g is not None]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loomtrain.distributed.clip import clip_grad_norm_, split_by_tp
+from loomtrain.distributed.clip import NormLayout
 from loomtrain.distributed.sync import GradientSync, model_state_bytes
 from loomtrain.distributed.traffic import GRADIENT_AXIS, Traffic, all_reduce_bytes, reduce_scatter_bytes
 
@@ -246,22 +246,16 @@ class GradientSynchronizer(GradientSync):
     """Owns the buckets and hooks that :func:`apply_data_parallel` installs on a module; driven
     through the protocol of :class:`~loomtrain.distributed.sync.GradientSync`.
 
-    ``tp_sharded``: names of parameters split over ``tp_group`` (tensor parallelism), whose
-    squares are summed over it for the global norm; ``replicated_group``: where the other
-    parameters are split (2D tensor parallelism's norm weights, split over a grid row), else
-    ``None`` (the same on every tp rank); ``pp_group``: the pipeline ranks, which hold other
-    layers (their squares are summed too).
+    ``norm``: where the other pieces of the gradient live when the model is also tensor or
+    pipeline parallel, for the global norm of clipping.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, bucket_size_bytes: int, hook: CommHook,
-                 tp_sharded: frozenset[str] = frozenset(), tp_group: dist.ProcessGroup | None = None,
-                 pp_group: dist.ProcessGroup | None = None,
-                 replicated_group: dist.ProcessGroup | None = None):  # fmt: skip
+                 norm: NormLayout | None = None):  # fmt: skip
         super().__init__(hook, group, next(module.parameters()).device)
         # Registration order: the norm's sum of squares runs in it, as torch's clip_grad_norm_ does.
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.tp_sharded, self.tp_group, self.pp_group = tp_sharded, tp_group, pp_group
-        self.replicated_group = replicated_group
+        self.norm = norm or NormLayout()
         self.buckets = build_buckets(module, bucket_size_bytes)
         self._next_launch = 0
         self._futures: list[torch.futures.Future] = []
@@ -351,9 +345,7 @@ class GradientSynchronizer(GradientSync):
         """Clip the averaged gradients to global L2 norm ``max_norm`` (``<= 0``: leave them);
         plain data parallelism has no loss scaling, so the step always runs."""
         if max_norm > 0:
-            sharded, replicated = split_by_tp(((n, p.grad) for n, p in self.named_params), self.tp_sharded)
-            clip_grad_norm_(sharded, replicated, max_norm, tp_group=self.tp_group, pp_group=self.pp_group,
-                            replicated_group=self.replicated_group)  # fmt: skip
+            self.norm.clip(((n, p.grad) for n, p in self.named_params), max_norm)
         return True
 
     def after_step(self) -> None:
@@ -402,11 +394,13 @@ def apply_data_parallel(
 
     Broadcasts rank 0's parameters and buffers, then installs the bucketed, overlapped
     gradient reduction. ``bucket_size_mb`` is in MiB (2**20 bytes). ``norm_layout``:
-    ``tp_sharded``, ``tp_group``, ``pp_group``, ``replicated_group`` of :class:`GradientSynchronizer`, for the global
-    gradient norm when the model is also tensor or pipeline parallel.
+    the fields of :class:`~loomtrain.distributed.clip.NormLayout` (``tp_sharded``, ``tp_group``,
+    ``pp_group``, ``replicated_group``), for the global gradient norm when the model is also
+    tensor or pipeline parallel.
 
     Returns:
         The :class:`GradientSynchronizer` that the training loop drives.
     """
     broadcast_module(module, group)
-    return GradientSynchronizer(module, group, int(bucket_size_mb * 2**20), hook or AllReduceHook(), **norm_layout)
+    return GradientSynchronizer(module, group, int(bucket_size_mb * 2**20), hook or AllReduceHook(),
+                                NormLayout(**norm_layout))  # fmt: skip

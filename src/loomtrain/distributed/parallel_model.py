@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims, sharded_dtensor
 from loomtrain.distributed.pipeline.executor import PipelineExecutor
@@ -206,6 +206,50 @@ class GridParallelModel(ParallelModel):
     def _as_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
         placements, shape = self.grid_shards[name]
         return grid_dtensor(local, self.dims.grid_mesh, placements, shape)
+
+    def wrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        """As :meth:`ParallelModel.wrap_state_dicts`, onto the grid. Under ZeRO a 2D block's
+        master (and its optimizer moments) is a DTensor of the block over the dp ranks, which
+        knows nothing of the grid or the vocabulary padding: each is gathered into its block (an
+        all-gather over ZeRO's shard group; one block at a time, in name order on every rank)
+        and the block becomes the grid DTensor. :meth:`unwrap_state_dicts` copies this rank's
+        rows of the (loaded) blocks back into the masters."""
+        state = optim_sd.get("state", {})
+        # ZeRO's masters: the parameters that are DTensors already (the plain ones are the base
+        # class's, wrapped after these so that none is gathered twice).
+        for name in sorted(set(self.grid_shards) - set(self._plain_shards())):
+            if isinstance(model_sd.get(name), DTensor):
+                model_sd[name] = self._gather_block(name, model_sd[name])
+            if name in state:
+                state[name] = {k: self._gather_block(name, v) if isinstance(v, DTensor) else v
+                               for k, v in state[name].items()}  # fmt: skip
+        super().wrap_state_dicts(model_sd, optim_sd)
+
+    def _gather_block(self, name: str, master: DTensor) -> DTensor:
+        block = master.full_tensor()
+        wrapped = self._as_dtensor(name, block)
+        # On the wrapped tensor, not in this object: a saved state dict is dropped after the
+        # save, and its gathered blocks with it.
+        wrapped.zero_master = (master, block)
+        return wrapped
+
+    def unwrap_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        """Undo :meth:`wrap_state_dicts`; a gathered block's rows go back into its master."""
+        super().unwrap_state_dicts(model_sd, optim_sd)
+        for values in (model_sd, *optim_sd.get("state", {}).values()):
+            for key, value in values.items():
+                if hasattr(value, "zero_master"):
+                    values[key] = _scatter_rows(*value.zero_master)
+
+
+@torch.no_grad()
+def _scatter_rows(master: DTensor, block: torch.Tensor) -> DTensor:
+    """``master`` with its local rows replaced by its rows of the whole ``block`` (placed like
+    it; a local slice, no communication)."""
+    mesh = master.device_mesh
+    whole = DTensor.from_local(block, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    master.to_local().copy_(whole.redistribute(mesh, master.placements).to_local())
+    return master
 
 
 def _is_shard(value) -> bool:

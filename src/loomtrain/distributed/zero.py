@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from loomtrain.distributed.clip import clip_grad_norm_, split_by_tp
+from loomtrain.distributed.clip import NormLayout
 from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, broadcast_module
 from loomtrain.distributed.local_step import LocalShardStep
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
@@ -65,11 +65,15 @@ class ZeroSynchronizer(GradientSync):
 
     :meth:`state_bytes` is the largest persistent model state seen at a step's end (see
     :meth:`zero_grad`): masters, full copies, reduced gradients and optimizer state.
+
+    ``tp`` places the masters of tensor-parallel shards (1D) on ``(dp, tp)``; ``norm`` says
+    where the rest of the gradient lives (tensor-parallel shards or 2D blocks, pipeline
+    stages) for clipping and overflow checks.
     """
 
     def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, stage: int,
                  mp: MixedPrecision, hook: CommHook, scaler: DynamicLossScaler | None,
-                 tp: TensorParallelLayout | None = None, pp_group: dist.ProcessGroup | None = None):  # fmt: skip
+                 tp: TensorParallelLayout | None = None, norm: NormLayout | None = None):  # fmt: skip
         self.layout = ShardLayout(mesh, stage, mp, tp)
         self.shard_group = self.layout.shard_mesh.get_group()
         # HSDP: the replica groups (mesh dim 0) average the reduced shards; the whole data-parallel
@@ -78,7 +82,7 @@ class ZeroSynchronizer(GradientSync):
         super().__init__(hook, group, next(module.parameters()).device, scaler)
         broadcast_module(module, group)  # before the masters are cut from the parameters
         self.replica_group = None if mesh.ndim == 1 or mesh.size(0) == 1 else mesh.get_group(0)
-        self.stage, self.mp, self.tp, self.pp_group = stage, mp, tp, pp_group
+        self.stage, self.mp, self.norm = stage, mp, norm or NormLayout()
         self.n, self.rank = self.layout.n, self.layout.rank
         self.units = self.layout.build_units(module, blocks)
         self.buffers = BufferPool()
@@ -301,16 +305,6 @@ class ZeroSynchronizer(GradientSync):
             LocalShardStep(optimizer)
             optimizer._loomtrain_local_step = True
 
-    def _check_groups(self) -> list[dist.ProcessGroup]:
-        """Where the other pieces of the gradient live: the shard group, then the tensor- and
-        pipeline-parallel groups when the model is split over them. Replicas hold copies."""
-        groups = [self.shard_group]
-        if self.tp is not None:
-            groups.append(self.tp.group)
-        if self.pp_group is not None:
-            groups.append(self.pp_group)
-        return groups
-
     @torch.no_grad()
     def prepare_step(self, max_norm: float) -> bool:
         """Prepare the sharded gradients for the optimizer step.
@@ -325,13 +319,13 @@ class ZeroSynchronizer(GradientSync):
         """
         self._set_master_grads()
         named = [(s.name, s.master.grad.to_local()) for u in self.units for s in u.slots if s.master.grad is not None]
-        if self.scaler is not None and not self.scaler.unscale_and_check([g for _, g in named], *self._check_groups()):
+        # The other pieces of the gradient: other rows (shard group), other tensor-parallel
+        # parts and other layers. Replicas hold copies.
+        groups = [self.shard_group, *self.norm.model_groups()]
+        if self.scaler is not None and not self.scaler.unscale_and_check([g for _, g in named], *groups):
             return False
         if max_norm > 0:
-            sharded, replicated = split_by_tp(named, self.tp.shards if self.tp is not None else ())
-            tp_group = self.tp.group if self.tp is not None else None
-            clip_grad_norm_(sharded, replicated, max_norm, reduce_group=self.shard_group, tp_group=tp_group,
-                            pp_group=self.pp_group)  # fmt: skip
+            self.norm.clip(named, max_norm, reduce_group=self.shard_group)
         return True
 
     def zero_grad(self) -> None:
@@ -390,7 +384,7 @@ def apply_zero(
     hook: CommHook | None = None,
     scaler: DynamicLossScaler | None = None,
     tp: TensorParallelLayout | None = None,
-    pp_group: dist.ProcessGroup | None = None,
+    **norm_layout,
 ) -> ZeroSynchronizer:
     """Shard ``module``'s parameters over ``mesh``, in place (ZeRO ``stage``): a 1-D mesh of the
     ranks to shard over, or a 2-D ``(replicate, shard)`` mesh for HSDP (``ParallelDims.zero_mesh``).
@@ -398,9 +392,15 @@ def apply_zero(
     Broadcasts rank 0's parameters and buffers over all of ``mesh`` first. ``blocks`` are the
     units gathered one at a time (e.g. the transformer blocks); the other parameters form one
     more unit. Build the optimizer afterwards on ``module.parameters()`` (the masters) and pass
-    it to :meth:`ZeroSynchronizer.attach_optimizer`. ``tp``: the tensor-parallel split of
-    ``module``'s parameters, if any (``mesh`` is then ZeRO's part of ``tp.mesh``). ``pp_group``:
-    the pipeline ranks, which hold other layers: gradient norms and overflow checks span them.
+    it to :meth:`ZeroSynchronizer.attach_optimizer`. ``tp``: the 1D tensor-parallel split of
+    ``module``'s parameters, if any (``mesh`` is then ZeRO's part of ``tp.mesh``): the masters'
+    DTensors record it. ``norm_layout``: the fields of
+    :class:`~loomtrain.distributed.clip.NormLayout` (``tp_sharded``, ``tp_group``, ``pp_group``,
+    ``replicated_group``): where the rest of the gradient lives, for gradient norms and
+    overflow checks.
+
+    A parameter's gradient hooks (``Tensor.register_hook``, e.g. the sum over tp of a norm
+    weight under sequence or 2D parallelism) move to the compute tensor that replaces it.
 
     Raises:
         ValueError: ``stage`` not in 1..3, or a scalar (0-dim) parameter.
@@ -413,4 +413,4 @@ def apply_zero(
         # A pipeline stage with neither embedding nor head: its last block is the root unit.
         blocks = blocks[:-1]
     return ZeroSynchronizer(module, blocks, mesh, stage, mp or MixedPrecision(), hook or AllReduceHook(), scaler, tp,
-                            pp_group)  # fmt: skip
+                            NormLayout(**norm_layout))  # fmt: skip

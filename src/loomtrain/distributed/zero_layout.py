@@ -198,6 +198,10 @@ class ShardLayout:
         else:
             full = nn.Parameter(torch.empty(p.shape, dtype=self.mp.param_dtype, device=p.device))
             local = p.detach()[start:end].to(torch.float32).clone()
+            # Gradient hooks act on what backward computes, now the full tensor's gradient (a
+            # norm weight's sum over tp under sequence or 2D parallelism would be lost).
+            for hook in (p._backward_hooks or {}).values():
+                full.register_hook(hook)
         master = nn.Parameter(self.as_master(local, name, p.shape))
         pieces = [(r, *shard_range(p.shape[0], self.n, r)) for r in range(self.n)]
         rows = shard_rows(p.shape[0], self.n)

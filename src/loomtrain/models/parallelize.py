@@ -33,8 +33,10 @@ loop drives.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,7 @@ from torch import nn
 
 from loomtrain.config import Config, ConfigError
 from loomtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from loomtrain.distributed.clip import NormLayout
 from loomtrain.distributed.data_parallel import CommHook, apply_data_parallel
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
@@ -61,7 +64,7 @@ from loomtrain.distributed.tensor_parallel import (
     check_vocab_split,
     enter_parallel_region,
 )
-from loomtrain.distributed.tensor_parallel_2d import Grid2D, RMSNorm2D
+from loomtrain.distributed.tensor_parallel_2d import Grid2D, GridShard, Linear2D, RMSNorm2D
 from loomtrain.distributed.traffic import Traffic
 from loomtrain.distributed.zero import apply_zero
 from loomtrain.distributed.zero_layout import TensorParallelLayout
@@ -83,25 +86,59 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, cfg: Config, hook:
     """
     traffic = Traffic()
     hook.count_into(traffic)
-    tp_shards: dict[str, tuple[int, torch.Size]] = {}
     stage_layers = split_pipeline(model, dims, cfg) if dims.pp > 1 else None
-    if dims.tp_2d:
-        return _parallelize_grid(model, dims, cfg, hook, traffic, stage_layers)
-    if dims.tp > 1:
-        # Every name a parameter is registered under: a tied head is split too.
-        full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
-        split = apply_tensor_parallel(
-            model, dims.group(Axis.TP), sequence_parallel=cfg.parallel.tp_mode == "sequence_parallel", traffic=traffic
-        )
-        tp_shards = {name: (dim, full_shapes[name]) for name, dim in split.items()}
+    split = split_tensors(model, dims, cfg, traffic)
     if dims.sp > 1:
         apply_ulysses(model, dims.group(Axis.SP), traffic=traffic)
     if cfg.training.compile:
         compile_blocks(model)
     apply_activation_checkpointing(checkpointed_modules(model, cfg.training.activation_checkpointing))
-    sync = apply_gradient_sync(model, dims, cfg, hook, tp_shards)
+    sync = apply_gradient_sync(model, dims, cfg, hook, split.norm, split.zero_tp)
     pipeline = _pipeline_executor(model, dims, cfg, stage_layers, traffic)
-    return ParallelModel(model, sync, dims, tp_shards, traffic, lambda: Transformer(model.cfg), pipeline)
+    parts = (model, sync, dims, split.tp_shards, traffic, lambda: Transformer(model.cfg), pipeline)
+    if split.grid is not None:
+        vocab = model.cfg.vocab_size
+        return GridParallelModel(*parts, grid=split.grid, grid_shards=split.grid_shards, vocab_size=vocab)
+    return ParallelModel(*parts)
+
+
+@dataclass
+class TensorSplit:
+    """How step 2 split the model over ``tp``: what the later steps and the checkpoints need.
+
+    Attributes:
+        norm: the tensor-parallel names and groups for the gradient norm (its ``tp_group`` and
+            ``pp_group`` are filled in by :func:`apply_gradient_sync`).
+        tp_shards: 1D: ``{parameter name: (dim split over tp, full shape)}``.
+        zero_tp: 1D: the shards as ZeRO records them in its masters.
+        grid, grid_shards: 2D: the grid and ``{parameter name: (placements, full shape)}``.
+    """
+
+    norm: NormLayout
+    tp_shards: dict[str, tuple[int, torch.Size]] = dataclasses.field(default_factory=dict)
+    zero_tp: TensorParallelLayout | None = None
+    grid: Grid2D | None = None
+    grid_shards: dict[str, GridShard] = dataclasses.field(default_factory=dict)
+
+
+def split_tensors(model: Transformer, dims: ParallelDims, cfg: Config, traffic: Traffic) -> TensorSplit:
+    """Step 2: Megatron 1D tensor parallelism (with sequence parallelism if asked), 2D tensor
+    parallelism (Optimus) on the grid axes of ``dims``, or nothing when ``tp = 1``. Under 2D the
+    blocks are split over all of tp and the norm weights over a grid row, for the norm."""
+    if dims.tp_2d:
+        grid = Grid2D.from_mesh(dims.grid_mesh, str(Axis.TP_ROW), str(Axis.TP_COL))
+        grid_shards = shard_2d(model, grid, traffic)
+        blocks = frozenset(name for name, (placements, _) in grid_shards.items() if placements != RMSNorm2D.PLACEMENTS)
+        return TensorSplit(NormLayout(blocks, replicated_group=grid.row_group), grid=grid, grid_shards=grid_shards)
+    if dims.tp == 1:
+        return TensorSplit(NormLayout())
+    # Every name a parameter is registered under: a tied head is split too.
+    full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    split = apply_tensor_parallel(
+        model, dims.group(Axis.TP), sequence_parallel=cfg.parallel.tp_mode == "sequence_parallel", traffic=traffic
+    )
+    tp_shards = {name: (dim, full_shapes[name]) for name, dim in split.items()}
+    return TensorSplit(NormLayout(frozenset(tp_shards)), tp_shards, TensorParallelLayout(dims.zero_tp_mesh, tp_shards))
 
 
 def _pipeline_executor(model: Transformer, dims: ParallelDims, cfg: Config, stage_layers: dict[int, list[str]] | None,
@@ -113,29 +150,6 @@ def _pipeline_executor(model: Transformer, dims: ParallelDims, cfg: Config, stag
     comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, next(model.parameters()).device, traffic)
     return PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
                             p.virtual_stages, comm)  # fmt: skip
-
-
-def _parallelize_grid(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook, traffic: Traffic,
-                      stage_layers: dict[int, list[str]] | None) -> GridParallelModel:  # fmt: skip
-    """Steps 2-6 of :func:`parallelize_llama` with 2D tensor parallelism (Optimus) on the grid
-    axes of ``dims`` in place of step 2 (the config refuses ZeRO with it). Gradient
-    norms: the 2D blocks are split over all of tp, the norm weights over a grid row."""
-    grid = Grid2D.from_mesh(dims.grid_mesh, str(Axis.TP_ROW), str(Axis.TP_COL))
-    grid_shards = shard_2d(model, grid, traffic)
-    if dims.sp > 1:
-        apply_ulysses(model, dims.group(Axis.SP), traffic=traffic)
-    if cfg.training.compile:
-        compile_blocks(model)
-    apply_activation_checkpointing(checkpointed_modules(model, cfg.training.activation_checkpointing))
-    dims_groups = dims.axis_groups(Axis.DP_SP)
-    hook.setup(dims_groups)
-    blocks = frozenset(name for name, (placements, _) in grid_shards.items() if placements != RMSNorm2D.PLACEMENTS)
-    sync = apply_data_parallel(model, dims.grad_mesh.get_group(), cfg.data_parallel.bucket_size_mb, hook,
-                               tp_sharded=blocks, tp_group=dims.group(Axis.TP), pp_group=dims.group_or_none(Axis.PP),
-                               replicated_group=grid.row_group)  # fmt: skip
-    pipeline = _pipeline_executor(model, dims, cfg, stage_layers, traffic)
-    return GridParallelModel(model, sync, dims, {}, traffic, lambda: Transformer(model.cfg), pipeline, grid=grid,
-                             grid_shards=grid_shards, vocab_size=model.cfg.vocab_size)  # fmt: skip
 
 
 class EmulatedParallelModel(ParallelModel):
@@ -162,33 +176,32 @@ def parallelize_emulated(cfg: Config, dims: ParallelDims, hook: CommHook) -> Emu
                            device(cfg.simulate.device))  # fmt: skip
     traffic = Traffic()
     hook.count_into(traffic)
-    sync = apply_gradient_sync(model, dims, cfg, hook, {})
+    sync = apply_gradient_sync(model, dims, cfg, hook, NormLayout())
     comm = PipelineComm(dims.pp_groups, dims.pp_rank, dims.pp, torch.device("cpu"), traffic)
     pipeline = PipelineExecutor(model, stage_layers, p.pipeline_schedule, cfg.grad_accum_steps(dims.dp), dims.pp,
                                 p.virtual_stages, comm, clock=model.clock)  # fmt: skip
     return EmulatedParallelModel(model, sync, dims, {}, traffic, lambda: model, pipeline)
 
 
-def apply_gradient_sync(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook,
-                        tp_shards: dict[str, tuple[int, torch.Size]]) -> GradientSync:  # fmt: skip
+def apply_gradient_sync(model: Transformer, dims: ParallelDims, cfg: Config, hook: CommHook, norm: NormLayout,
+                        zero_tp: TensorParallelLayout | None = None) -> GradientSync:  # fmt: skip
     """Plain data parallelism (``zero_stage=0``) or ZeRO over the ranks that share parameters;
-    ZeRO's units are the transformer blocks."""
+    ZeRO's units are the transformer blocks. ``norm``: the tensor-parallel split of the
+    gradient (its ``tp_group`` and ``pp_group`` are filled in from ``dims``); ``zero_tp``: 1D
+    tensor parallelism's shards, recorded in ZeRO's masters."""
     dp = cfg.data_parallel
-    pp_group = dims.group_or_none(Axis.PP)
+    norm = replace(norm, tp_group=dims.group_or_none(Axis.TP), pp_group=dims.group_or_none(Axis.PP))
     # Every rank creates the subgroups of every gradient group (hierarchical hooks need them).
     shard_groups = dims.axis_groups(Axis.DP_SHARD_SP) if dims.dp_replicate > 1 else []
     hook.setup(dims.axis_groups(Axis.DP_SP) + shard_groups)
     if dp.zero_stage == 0:
-        return apply_data_parallel(model, dims.grad_mesh.get_group(), dp.bucket_size_mb, hook,
-                                   tp_sharded=frozenset(tp_shards), tp_group=dims.group_or_none(Axis.TP),
-                                   pp_group=pp_group)  # fmt: skip
+        return apply_data_parallel(model, dims.grad_mesh.get_group(), dp.bucket_size_mb, hook, **vars(norm))
     mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
     scaler = None
     if dp.param_dtype == "fp16":
         scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
-    tp = TensorParallelLayout(dims.zero_tp_mesh, tp_shards) if dims.tp > 1 else None
-    return apply_zero(model, dims.zero_mesh, dp.zero_stage, list(model.layers.values()), mp, hook, scaler, tp=tp,
-                      pp_group=pp_group)  # fmt: skip
+    return apply_zero(model, dims.zero_mesh, dp.zero_stage, list(model.layers.values()), mp, hook, scaler, tp=zero_tp,
+                      **vars(norm))  # fmt: skip
 
 
 def apply_tensor_parallel(
@@ -397,12 +410,12 @@ def compile_blocks(model: Transformer) -> None:
 
 def _keep_collectives_eager(block: nn.Module) -> None:
     """``torch.compiler.disable`` the forwards inside ``block`` that issue collectives
-    (row-parallel linears, column-parallel ones that gather their input, Ulysses' attention)
-    and the forward pre-hooks of its submodules (tensor parallelism's region entries, the only
+    (row-parallel linears, column-parallel ones that gather their input, Ulysses' attention,
+    2D linears and norms) and the forward pre-hooks of its submodules (tensor parallelism's region entries, the only
     ones there)."""
     for module in block.modules():
         gathers = isinstance(module, ColumnParallelLinear) and module.enter_input
-        if gathers or isinstance(module, RowParallelLinear | UlyssesAttention):
+        if gathers or isinstance(module, RowParallelLinear | UlyssesAttention | Linear2D | RMSNorm2D):
             module.forward = torch.compiler.disable(module.forward)
         if module is not block:
             hooks = module._forward_pre_hooks
