@@ -572,7 +572,9 @@ class ParallelConfig(_Section):
     ``dp / data_parallel_replicate_degree`` ranks of a group (``dp_shard``) and keeps a replica
     per group (``dp_replicate``), so sharding can stay inside a host while only the gradient
     average crosses hosts. 1 (the default) shards over all dp ranks; more needs ZeRO (stage 0
-    already replicates over every dp rank).
+    already replicates over every dp rank). Under ``data_parallel.mode`` local_sgd or diloco
+    the groups are the replicas whose outer step crosses ``dp_replicate`` (plain DP or ZeRO
+    inside each; docs/async_data_parallel.md).
 
     ``tensor_parallel_degree``: Megatron tensor parallelism (heads and MLP columns split).
     ``tp_mode="sequence_parallel"`` adds Megatron sequence parallelism on the same ranks (norms
@@ -606,7 +608,8 @@ class ParallelConfig(_Section):
         ge=1,
         description=(
             "Replica groups among the data-parallel ranks (HSDP, needs data_parallel.zero_stage >= 1); ZeRO "
-            "shards model state within each group of dp / this many ranks."
+            "shards model state within each group of dp / this many ranks. With data_parallel.mode local_sgd or "
+            "diloco: the replicas, each of dp / this many ranks (plain DP or ZeRO inside), averaged by the outer step."
         ),
     )
     tensor_parallel_degree: int = Field(
@@ -965,7 +968,8 @@ class Config(_Section):
     @model_validator(mode="after")
     def _replicas_need_zero(self) -> Config:
         replicas = self.parallel.data_parallel_replicate_degree
-        if replicas > 1 and self.data_parallel.zero_stage == 0:
+        # local_sgd and diloco: the replicas are DiLoCo's, each dp_shard ranks of plain DP or ZeRO.
+        if replicas > 1 and self.data_parallel.zero_stage == 0 and self.data_parallel.mode == "sync":
             raise ValueError(
                 f"parallel.data_parallel_replicate_degree={replicas} needs data_parallel.zero_stage >= 1 (HSDP shards "
                 "within a replica group; stage 0 already replicates over every dp rank); set it to 1"
@@ -988,8 +992,10 @@ class Config(_Section):
         """``data_parallel.mode`` local_sgd/diloco/streaming_diloco run on data parallelism with
         Megatron tensor parallelism inside each replica, local_sgd and fp32 diloco also with
         pipeline parallelism (the outer sync averages each rank's shards or stage over its dp
-        group); nothing else sharded, split or compressed inside a replica, for now. ``async`` on
-        plain data parallelism only."""
+        group) and with replicas of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1:
+        plain DP or ZeRO inside a replica, the outer step over ``dp_replicate``); nothing else
+        sharded, split or compressed inside a replica, for now. ``async`` on plain data
+        parallelism only."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
@@ -999,10 +1005,14 @@ class Config(_Section):
         # from the whole model's blocks, not a pipeline stage's: pp only with whole-model syncs.
         whole = mode in ("local_sgd", "diloco") and self.data_parallel.outer_grad_dtype == "fp32"
         inner_pp = p.pipeline_parallel_degree if whole else 1
+        replicas = p.data_parallel_replicate_degree if whole else 1
+        # ZeRO's masters inside a replica: of whole parameters (1D tp's would need ZeRO's tp mesh
+        # without the replicate axis).
+        zero = self.data_parallel.zero_stage if replicas > 1 and p.tensor_parallel_degree == 1 else 0
         plain = [
-            ("data_parallel.zero_stage", self.data_parallel.zero_stage, 0),
+            ("data_parallel.zero_stage", self.data_parallel.zero_stage, zero),
             ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce"),
-            ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1),
+            ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, replicas),
             ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, inner_pp),
             ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, inner_tp),
             # Megatron SP's norm gradients are partial per tp rank, and 2D tp's replicated ones too:
@@ -1017,8 +1027,9 @@ class Config(_Section):
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
-                    "by Megatron tp, or by a pipeline for local_sgd and fp32 diloco, but not otherwise sharded or "
-                    f"compressed); set {name}={needed!r}"
+                    "by Megatron tp, or for local_sgd and fp32 diloco by a pipeline or over dp_shard ranks with "
+                    "plain DP or ZeRO (parallel.data_parallel_replicate_degree > 1, without tp), but not otherwise "
+                    f"sharded or compressed); set {name}={needed!r}"
                     + (
                         ", data_parallel.outer_grad_dtype='fp32'"
                         if name.endswith("pipeline_parallel_degree") and mode == "diloco"

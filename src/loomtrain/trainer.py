@@ -24,7 +24,7 @@ from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
 from loomtrain.distributed.async_dp import run_async
 from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
-from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync
+from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync, outer_group, replicas_sync_inside
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
 from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.preemption import Preemption
@@ -155,18 +155,17 @@ class Trainer:
             # Into the whole model, before parallelize_llama shards it: every layout then starts from these weights.
             load_hf_weights(self.model, cfg.model.init_from)
         self.n_params = count_params(self.model)  # counted whole, before sharding
-        # local_sgd/diloco: inner steps keep each replica's own gradient; the outer sync averages.
-        hook = (
-            LocalOnlyHook()
-            if cfg.data_parallel.mode != "sync"
-            else build_comm_hook(cfg.compression, cfg.data_parallel.comm_hook, self.topology)
-        )
+        # Local modes: inner steps keep each replica's own gradient (averaged inside a replica of
+        # dp_shard ranks); the outer sync averages the replicas.
+        dp = cfg.data_parallel
+        own = dp.mode != "sync" and not replicas_sync_inside(dp, self.dims)
+        hook = LocalOnlyHook() if own else build_comm_hook(cfg.compression, dp.comm_hook, self.topology)
         self.pm = parallelize_llama(self.model, self.dims, cfg, hook)
         self.sync = self.pm.sync
         self.optimizer = build_optimizer(self.model, t)
         self.sync.attach_optimizer(self.optimizer)
-        self.outer = build_outer_sync(cfg.data_parallel, self.model, self.optimizer, self.dims.grad_mesh.get_group(),
-                                      hook)  # fmt: skip
+        self.outer = build_outer_sync(dp, self.model, self.optimizer, outer_group(dp, self.dims), hook,
+                                      self.sync.after_step)  # fmt: skip
         # async: each round reads its own batches (async_dp); this loader only carries the checkpoint's position.
         dp_rank, dp = (0, 1) if cfg.data_parallel.mode == "async" else (self.dims.dp_rank, self.dims.dp)
         self.loader = DistributedBatchLoader(

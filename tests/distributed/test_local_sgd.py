@@ -10,6 +10,7 @@ by ~1e-2. AdamW inner steps are compared only between modes that share them exac
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 
@@ -27,6 +28,8 @@ from loomtrain.distributed.local_sgd import (
     build_outer_sync,
     check_identical,
     flatten,
+    outer_group,
+    replicas_sync_inside,
     write_flat,
 )
 from loomtrain.distributed.parallel_dims import ParallelDims
@@ -198,6 +201,9 @@ def all_checks() -> dict:
         "different_init_refused": different_init_refused,
         "swapped_elements_refused_in_chunks": swapped_elements_refused_in_chunks,
         "resume_mid_phase": resume_mid_phase,
+        # The references of the replicas of dp_shard ranks (4 processes, below): one rank per replica.
+        "local_sgd_h2": lambda: train_local_tp("local_sgd", [], 2, evaluate=True),
+        "diloco_h2": lambda: train_local_tp("diloco", [], 2, evaluate=True),
     })  # fmt: skip
 
 
@@ -384,11 +390,20 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
     ],
 )
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
-    """Catches: a local mode accepted with ZeRO, Megatron SP, Ulysses sp, compression or data
-    balancing, which would run with a gradient synchronizer or replica layout the outer sync
-    ignores (SP's norm gradients are partial per tp rank and the local modes skip their sum)."""
+    """Catches: a local mode accepted with ZeRO when every dp rank is a replica (nothing to
+    shard over), Megatron SP, Ulysses sp, compression or data balancing, which would run with a
+    gradient synchronizer or replica layout the outer sync ignores (SP's norm gradients are
+    partial per tp rank and the local modes skip their sum); ZeRO with tp inside replicas, or
+    streaming with replicas, neither of them built; or replicas of dp_shard ranks with ZeRO
+    refused where they compose."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
+    replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
+    assert load_config(None, ["--data_parallel.mode=diloco", *replicas]).data_parallel.zero_stage == 3
+    with pytest.raises(ConfigError, match="with data_parallel.zero_stage=3 is not supported yet"):
+        load_config(None, ["--data_parallel.mode=diloco", *replicas, "--parallel.tensor_parallel_degree=2"])
+    with pytest.raises(ConfigError, match="with parallel.data_parallel_replicate_degree=2 is not supported yet"):
+        load_config(None, ["--data_parallel.mode=streaming_diloco", replicas[0]])
     with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=2"):
         load_config(None, ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"])
     # Streaming's fragments are cut from the whole model's blocks: a stage may hold none of one.
@@ -537,37 +552,46 @@ def test_streaming_settings_refused_for_other_modes():
         load_config(None, ["--data_parallel.mode=diloco", "--data_parallel.fragments=2"])
 
 
-def train_local_tp(mode: str, extra: list[str]) -> dict[str, torch.Tensor]:
+def train_local_tp(
+    mode: str, extra: list[str], inner_steps: int = 1, evaluate: bool = False
+) -> dict[str, torch.Tensor]:
     """``STEPS`` (3) steps of ``test_pipeline``'s 8-layer model with SGD + momentum and no
     clipping on this group's layout; ``mode`` ``sync`` (the gradient all-reduce) or a local
-    mode with H = 1 (each rank keeps its gradient, the outer sync averages after every step).
-    Full parameters, gathered over tp."""
+    mode with H = ``inner_steps`` (each replica keeps its gradient, the outer sync averages
+    every H steps). With ``evaluate``, an evaluation inside ``global_weights`` after each step,
+    as the trainer's. Rank's replica's full parameters, gathered over tp and ZeRO's shards."""
     from loomtrain.models.parallelize import parallelize_llama
     from loomtrain.trainer import train_step
     from tests.distributed.test_pipeline import BASE, CPU, STEPS, batches
 
     cfg = load_config(None, [*BASE, "--training.grad_clip=0", f"--data_parallel.mode={mode}", *extra,
-                             *([] if mode == "sync" else ["--data_parallel.inner_steps=1"])])  # fmt: skip
+                             *([] if mode == "sync" else [f"--data_parallel.inner_steps={inner_steps}"])])  # fmt: skip
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    hook = AllReduceHook() if mode == "sync" else LocalOnlyHook()
+    dp = cfg.data_parallel
+    own = mode != "sync" and not replicas_sync_inside(dp, dims)  # as the trainer chooses
+    hook = LocalOnlyHook() if own else AllReduceHook()
     pm = parallelize_llama(model, dims, cfg, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     pm.sync.attach_optimizer(optimizer)
-    outer = build_outer_sync(cfg.data_parallel, model, optimizer, dims.grad_mesh.get_group(), hook)
+    outer = build_outer_sync(dp, model, optimizer, outer_group(dp, dims), hook, pm.sync.after_step)
     t = cfg.training
     for step in range(STEPS):
-        train_step(pm, optimizer, batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size),
-                   cfg, CPU)  # fmt: skip
+        mine = batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
+        train_step(pm, optimizer, mine, cfg, CPU)
         if outer is not None:
             outer.after_inner_step()
+            if evaluate:
+                with outer.global_weights():
+                    pm.eval_loss(mine, contextlib.nullcontext, CPU)
     pm.sync.remove()
     return {name: p.detach().clone() for name, p in pm.full_model().named_parameters()}
 
 
 def local_tp_cases() -> dict:
     tp2, pp2 = ["--parallel.tensor_parallel_degree=2"], ["--parallel.pipeline_parallel_degree=2"]
+    r2 = ["--parallel.data_parallel_replicate_degree=2"]  # 2 replicas of 2 dp_shard ranks
     return run_checks({
         "sync_pp2": lambda: train_local_tp("sync", pp2),
         "local_sgd_pp2": lambda: train_local_tp("local_sgd", pp2),
@@ -575,6 +599,15 @@ def local_tp_cases() -> dict:
         "local_sgd_tp2": lambda: train_local_tp("local_sgd", tp2),
         "diloco_tp2": lambda: train_local_tp("diloco", [*tp2, "--data_parallel.outer_lr=1",
                                                         "--data_parallel.outer_momentum=0"]),
+        "sync_dp4": lambda: train_local_tp("sync", []),
+        "local_sgd_r2": lambda: train_local_tp("local_sgd", r2),
+        "local_sgd_r2_zero1": lambda: train_local_tp("local_sgd", [*r2, "--data_parallel.zero_stage=1"]),
+        "diloco_r2_zero3": lambda: train_local_tp("diloco", [*r2, "--data_parallel.zero_stage=3",
+                                                             "--data_parallel.outer_lr=1",
+                                                             "--data_parallel.outer_momentum=0"]),
+        "local_sgd_h2_r2": lambda: train_local_tp("local_sgd", r2, 2, evaluate=True),
+        "diloco_h2_r2_zero1": lambda: train_local_tp("diloco", [*r2, "--data_parallel.zero_stage=1"], 2, True),
+        "diloco_h2_r2_zero3": lambda: train_local_tp("diloco", [*r2, "--data_parallel.zero_stage=3"], 2, True),
     })  # fmt: skip
 
 
@@ -584,16 +617,41 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
     world), a shard or stage missing from the outer step, or a replica's parts diverging: at
     tp 2 × dp 2 and pp 2 × dp 2 (4 processes), local SGD with H = 1 and DiLoCo with outer lr 1,
     no momentum (both exactly an average of the replicas after each step) must equal synchronous
-    training of the same layout with SGD + momentum (1e-5 relative)."""
+    training of the same layout with SGD + momentum (1e-5 relative). Also with 2 replicas of 2
+    dp_shard ranks each (plain DP, ZeRO-1, ZeRO-3 inside a replica) against sync dp 4: catches
+    the inner gradient averaged over the whole dp group (or not at all), the outer step summing
+    different rows of ZeRO's masters (over dp_shard instead of dp_replicate), or ZeRO's full
+    copies not refreshed after the outer step wrote its masters."""
     got = spawn_once(local_tp_cases, 4, timeout_s=300)
     want = check_result(got, "sync_pp2")
     params = check_result(got, "local_sgd_pp2")
     assert params.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"local_sgd_pp2: {key}")
-    want = check_result(got, "sync_tp2")
-    for name in ("local_sgd_tp2", "diloco_tp2"):
-        params = check_result(got, name)
-        assert params.keys() == want.keys()
-        for key in want:
-            torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+    for reference, names in (("sync_tp2", ("local_sgd_tp2", "diloco_tp2")),
+                             ("sync_dp4", ("local_sgd_r2", "local_sgd_r2_zero1", "diloco_r2_zero3"))):  # fmt: skip
+        want = check_result(got, reference)
+        for name in names:
+            params = check_result(got, name)
+            assert params.keys() == want.keys()
+            for key in want:
+                torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_replicas_of_dp_shard_ranks_equal_one_rank_per_replica():
+    """Catches: a replica of 2 dp_shard ranks (plain DP, ZeRO-1, ZeRO-3 inside) whose inner
+    gradient is averaged over the whole dp group instead of the replica, an outer step over
+    dp_shard instead of dp_replicate, or ZeRO's full copies left holding θ_global after an
+    evaluation inside ``global_weights`` (or θ_local after an outer step). With H = 2, 2 replicas
+    of 2 ranks (4 processes) must equal 2 replicas of 1 rank (2 processes) that each take both
+    ranks' samples (SGD + momentum; DiLoCo with its default outer Nesterov), within 1e-5: a
+    replica's mean gradient is the same, and every difference above changes the trajectory."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    for reference, names in (("local_sgd_h2", ("local_sgd_h2_r2",)),
+                             ("diloco_h2", ("diloco_h2_r2_zero1", "diloco_h2_r2_zero3"))):  # fmt: skip
+        want = check_result(results(), reference)
+        for name in names:
+            params = check_result(got, name)
+            assert params.keys() == want.keys()
+            for key in want:
+                torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")

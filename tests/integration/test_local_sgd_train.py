@@ -1,5 +1,6 @@
 """DiLoCo through the whole training loop on 2 gloo processes: a resume inside an inner phase
-continues the run exactly, the run ends on one model, only outer steps send bytes.
+continues the run exactly, the run ends on one model, only outer steps send bytes; and on 4, with
+2 replicas of 2 ZeRO-3 ranks each, the resume again.
 
 8 steps with H = 3: outer steps after steps 3, 6 and (forced, the last) 8; the checkpoint of
 step 4 lies one step into the second inner phase.
@@ -22,8 +23,8 @@ DILOCO = ["--training.steps=8", "--checkpoint.interval=4", "--checkpoint.keep_la
           "--data_parallel.mode=diloco", "--data_parallel.inner_steps=3"]  # fmt: skip
 
 
-def train(out: Path, name: str, *extra: str) -> Path:
-    spawn(run_train, 2, [*TINY, *DILOCO, f"--run.out_dir={out}", f"--run.name={name}", *extra], timeout_s=240)
+def train(out: Path, name: str, *extra: str, world: int = 2) -> Path:
+    spawn(run_train, world, [*TINY, *DILOCO, f"--run.out_dir={out}", f"--run.name={name}", *extra], timeout_s=240)
     return out / name
 
 
@@ -69,3 +70,16 @@ def test_run_ends_on_one_model_and_only_outer_steps_send_bytes(whole):
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["outer_steps"] == 3
     assert summary["comm_bytes_per_step"] == 3 * all_reduce_bytes(4 * summary["n_params"], 2) / 8
+
+
+def test_resume_with_zero3_inside_replicas_of_two_ranks(tmp_path):
+    """Catches: with ZeRO-3 inside each of 2 replicas of 2 dp_shard ranks, a replica's θ_local
+    rows, its sharded AdamW moments or the outer state lost or mixed up across a restart (the
+    rank file holds this rank's rows only), or ZeRO's compute copies not refreshed from the
+    restored masters: the losses after the resume would differ from the uninterrupted run's."""
+    replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
+    whole = train(tmp_path, "whole", *replicas, world=4)
+    checkpoint = whole / "checkpoints" / "step_00000004"
+    resumed = train(tmp_path, "resumed", *replicas, f"--checkpoint.resume={checkpoint}", world=4)
+    assert {k: v for k, v in losses(whole).items() if k > 4} == losses(resumed)
+    assert [s["inner_done"] for s in outer_states(checkpoint)] == [1] * 4

@@ -48,10 +48,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loomtrain.compression.quantize import dequantize_int8, quantize_int8
 from loomtrain.config import DataParallelConfig
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
+from loomtrain.distributed.local_step import placed_like
+from loomtrain.distributed.parallel_dims import Axis, ParallelDims
 from loomtrain.distributed.traffic import all_gather_bytes, all_reduce_bytes
 from loomtrain.hardware import synchronize
 
@@ -73,17 +76,24 @@ class LocalOnlyHook(CommHook):
         return done
 
 
+def held(p: nn.Parameter) -> torch.Tensor:
+    """What this rank holds of ``p``: a ZeRO master's local rows (a DTensor's local tensor,
+    storage shared), else ``p`` itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def flatten(params: list[nn.Parameter]) -> torch.Tensor:
-    """``params`` concatenated into a new 1-D fp32 tensor of ``Σ p.numel()`` elements."""
-    return torch.cat([p.detach().reshape(-1).float() for p in params])
+    """What this rank holds of ``params`` (:func:`held`) concatenated into a new 1-D fp32
+    tensor."""
+    return torch.cat([held(p).detach().reshape(-1).float() for p in params])
 
 
 @torch.no_grad()
 def write_flat(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
-    """Copy the 1-D ``flat`` (``Σ p.numel()`` elements) into ``params`` in place, cast to
-    each parameter's dtype."""
+    """Copy the 1-D ``flat`` (as :func:`flatten` makes it) into what this rank holds of
+    ``params`` in place, cast to each parameter's dtype."""
     offset = 0
-    for p in params:
+    for p in map(held, params):
         p.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
 
@@ -113,15 +123,19 @@ def check_identical(flat: torch.Tensor, group: dist.ProcessGroup, what: str, chu
 
 
 @contextlib.contextmanager
-def holding(params: list[nn.Parameter], flat: torch.Tensor) -> Iterator[None]:
+def holding(params: list[nn.Parameter], flat: torch.Tensor,
+            written: Callable[[], None] = lambda: None) -> Iterator[None]:  # fmt: skip
     """Inside it, ``params`` hold the values of ``flat`` (1-D, their concatenation in order, as
-    :func:`flatten` makes it); their own values are back afterwards, also after an error."""
+    :func:`flatten` makes it); their own values are back afterwards, also after an error.
+    ``written()`` is called after each write (ZeRO refreshes its full copies)."""
     local = flatten(params)
     write_flat(flat, params)
+    written()
     try:
         yield
     finally:
         write_flat(local, params)
+        written()
 
 
 class OuterSync:
@@ -132,7 +146,10 @@ class OuterSync:
     step counter. ``inner_optimizer`` is the local optimizer stepping ``params``: its state is
     part of :meth:`state_dict`, since DCP keeps one copy of what it takes for replicated.
     ``hook``: the gradient synchronizer's hook, where the outer all-reduce's bytes are counted
-    (a fresh :class:`LocalOnlyHook` if ``None``).
+    (a fresh :class:`LocalOnlyHook` if ``None``). ``written``: called whenever the outer loop has
+    written into the parameters (ZeRO's ``after_step``: the full copies it computes with are
+    refreshed from the masters; with ZeRO inside a replica ``params`` are its masters, and this
+    rank's rows of them are what it averages with the same rows of the other replicas).
 
     Attributes:
         inner_done: inner steps since the last outer step.
@@ -148,7 +165,7 @@ class OuterSync:
     def __init__(self, params: list[nn.Parameter], inner_optimizer: torch.optim.Optimizer,
                  group: dist.ProcessGroup, mode: str, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
-                 hook: CommHook | None = None):  # fmt: skip
+                 hook: CommHook | None = None, written: Callable[[], None] = lambda: None):  # fmt: skip
         if mode not in OUTER_SYNC_MODES:
             raise ValueError(f"mode={mode!r} is not an outer-step mode; use one of {sorted(OUTER_SYNC_MODES)}")
         if inner_steps < 1:
@@ -156,6 +173,7 @@ class OuterSync:
         self.params, self.inner_optimizer, self.group = list(params), inner_optimizer, group
         self.mode, self.inner_steps = mode, inner_steps
         self.hook = hook if hook is not None else LocalOnlyHook()
+        self.written = written
         self.global_flat = flatten(self.params)
         check_identical(self.global_flat, group, "the initial parameters")
         self.outer_optimizer = self._build_outer_optimizer(outer_lr, outer_momentum, nesterov)
@@ -203,6 +221,7 @@ class OuterSync:
             self.outer_optimizer.step()
             self.global_flat.grad = None
         write_flat(self.global_flat, self.params)
+        self.written()
         self.inner_done = 0
         self.outer_steps += 1
 
@@ -213,7 +232,7 @@ class OuterSync:
     def global_weights(self) -> contextlib.AbstractContextManager[None]:
         """Inside it, the parameters hold ``θ_global`` (the same on every replica: what the run
         evaluates and checkpoints); each replica's ``θ_local`` is back afterwards."""
-        return holding(self.params, self.global_flat)
+        return holding(self.params, self.global_flat, self.written)
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's part of a checkpoint (tensors are copies or the live optimizer state):
@@ -224,7 +243,7 @@ class OuterSync:
         return {
             "mode": self.mode, "inner_steps": self.inner_steps, "inner_done": self.inner_done,
             "outer_steps": self.outer_steps, "global": self.global_flat.clone(), "outer_optimizer": outer,
-            "local": flatten(self.params), "inner_optimizer": self.inner_optimizer.state_dict(),
+            "local": flatten(self.params), "inner_optimizer": portable_state(self.inner_optimizer),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -263,15 +282,29 @@ class OuterSync:
         if self.outer_optimizer is not None:
             _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
         write_flat(state["local"], self.params)
+        self.written()
         _load_optimizer_state(self.inner_optimizer, state["inner_optimizer"])
         self.inner_done, self.outer_steps = state["inner_done"], state["outer_steps"]
 
 
+def portable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with its DTensor values (ZeRO's moments) as this rank's local
+    tensors: a per-rank file holds plain tensors (a DTensor would pickle its mesh)."""
+    saved = optimizer.state_dict()
+    state = {k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in values.items()}
+             for k, values in saved["state"].items()}  # fmt: skip
+    return {**saved, "state": state}
+
+
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Load ``saved``'s per-parameter state (momenta, moments) into ``optimizer``, keeping its
-    hyperparameters: they are this run's, from the config."""
+    """Load ``saved``'s per-parameter state (momenta, moments; :func:`portable_state`) into
+    ``optimizer``, keeping its hyperparameters (they are this run's, from the config); the state
+    of a DTensor parameter becomes DTensors placed like it again."""
     groups = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": saved["state"], "param_groups": groups})
+    for p, values in optimizer.state.items():
+        if isinstance(p, DTensor):
+            optimizer.state[p] = {k: placed_like(p, v) for k, v in values.items()}
 
 
 # A transformer block's parameters: ``layers.<i>.…``, under any wrapper's prefix.
@@ -413,7 +446,8 @@ class StreamingOuterSync(OuterSync):
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], inner_optimizer: torch.optim.Optimizer,
-                 group: dist.ProcessGroup, cfg: DataParallelConfig, hook: CommHook | None = None):  # fmt: skip
+                 group: dist.ProcessGroup, cfg: DataParallelConfig, hook: CommHook | None = None,
+                 written: Callable[[], None] = lambda: None):  # fmt: skip
         names, params = [name for name, _ in named], [p for _, p in named]
         h = cfg.resolved_inner_steps
         fragments = max(1, cfg.resolved_fragments(count_blocks(names)))  # a model without blocks: one fragment
@@ -422,7 +456,7 @@ class StreamingOuterSync(OuterSync):
                 f"data_parallel.fragments={fragments} is more than data_parallel.inner_steps={h}: the fragments sync "
                 "at distinct steps of each period; lower fragments or raise inner_steps"
             )
-        self.spans = fragment_spans(block_fragments(names, fragments), [p.numel() for p in params])
+        self.spans = fragment_spans(block_fragments(names, fragments), [held(p).numel() for p in params])
         self.offsets = {f * h // fragments: f for f in range(fragments)}
         self.overlap_steps, self.mixing_alpha, self.outer_grad_dtype = (
             cfg.overlap_steps, cfg.mixing_alpha, cfg.outer_grad_dtype,
@@ -430,7 +464,7 @@ class StreamingOuterSync(OuterSync):
         self.pending: list[InFlight] = []
         # cfg.mode: "diloco" when build_outer_sync runs DiLoCo's quantized outer gradients through here.
         super().__init__(params, inner_optimizer, group, cfg.mode, h, cfg.outer_lr, cfg.outer_momentum,
-                         cfg.outer_nesterov, hook)  # fmt: skip
+                         cfg.outer_nesterov, hook, written)  # fmt: skip
 
     def _build_outer_optimizer(self, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
         """One outer SGD whose parameters are the fragments' views of ``θ_global``: stepping it
@@ -511,6 +545,7 @@ class StreamingOuterSync(OuterSync):
         view.grad = None
         target = torch.lerp(view, flatten(self.params[params]), self.mixing_alpha) if mix else view
         write_flat(target, self.params[params])
+        self.written()
         self.outer_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -535,13 +570,15 @@ class StreamingOuterSync(OuterSync):
 
 
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
-                     group: dist.ProcessGroup, hook: CommHook) -> Any:  # fmt: skip
+                     group: dist.ProcessGroup, hook: CommHook,
+                     written: Callable[[], None] = lambda: None) -> Any:  # fmt: skip
     """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
     :class:`StreamingOuterSync` for ``streaming_diloco``, and with one fragment and no overlap for
     ``diloco`` with a 16- or 8-bit ``outer_grad_dtype``; the state of the asynchronous mode,
     :class:`~loomtrain.distributed.async_dp.AsyncOuter`, for ``async``),
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
-    synchronizer's, a :class:`LocalOnlyHook`). A collective."""
+    synchronizer's). ``group``: :func:`outer_group`; ``written``: the gradient synchronizer's
+    ``after_step`` (see :class:`OuterSync`). A collective."""
     if cfg.mode == "sync":
         return None
     if cfg.mode == "async":
@@ -555,7 +592,23 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
         cfg = cfg.model_copy(update={"fragments": 1, "overlap_steps": 0})
     if cfg.mode == "streaming_diloco" or cfg.outer_grad_dtype != "fp32":
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        return StreamingOuterSync(named, inner_optimizer, group, cfg, hook)
+        return StreamingOuterSync(named, inner_optimizer, group, cfg, hook, written)
     params = [p for p in model.parameters() if p.requires_grad]
     return OuterSync(params, inner_optimizer, group, cfg.mode, cfg.resolved_inner_steps, cfg.outer_lr,
-                     cfg.outer_momentum, cfg.outer_nesterov, hook)  # fmt: skip
+                     cfg.outer_momentum, cfg.outer_nesterov, hook, written)  # fmt: skip
+
+
+def replicas_sync_inside(cfg: DataParallelConfig, dims: ParallelDims) -> bool:
+    """Whether a local mode's replicas are the ``dp_replicate`` groups, each of ``dp_shard``
+    ranks that average their gradients every step (plain data parallelism or ZeRO inside the
+    replica, DiLoCo's usual setting), rather than every dp rank a replica of its own."""
+    return cfg.mode in OUTER_SYNC_MODES and dims.dp_replicate > 1
+
+
+def outer_group(cfg: DataParallelConfig, dims: ParallelDims) -> dist.ProcessGroup:
+    """The ranks a local mode's outer step averages over: the ``dp_replicate`` axis (the same
+    rows of the same shard in every replica) when :func:`replicas_sync_inside`, else the whole
+    gradient mesh (every dp rank a replica). A collective the first time (the mesh's groups)."""
+    if replicas_sync_inside(cfg, dims):
+        return dims.group(Axis.DP_REPLICATE)
+    return dims.grad_mesh.get_group()

@@ -71,7 +71,7 @@ class LocalShardStep:
                 old[key] = values
             else:
                 before = old.get(master, {})
-                old[master] = {k: _like(master, v, before.get(k)) for k, v in values.items()}
+                old[master] = {k: placed_like(master, v, before.get(k)) for k, v in values.items()}
         self._masters.clear()
         opt.state = old
         self._dtensor_state = None
@@ -82,8 +82,9 @@ def _local(value):
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-def _like(master: DTensor, value, before):
-    """``value`` of ``master``'s state after a local step: the DTensor it was before (its
+def placed_like(master: DTensor, value, before=None):
+    """``value`` of ``master``'s state after a local step (or loaded from a per-rank file, no
+    ``before``): the DTensor it was before (its
     local part was updated in place), a new tensor shaped like the local shard wrapped as a
     DTensor placed like ``master``, or as is (a scalar such as AdamW's step count)."""
     if isinstance(before, DTensor) and before._local_tensor is value:

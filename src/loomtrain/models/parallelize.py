@@ -46,6 +46,7 @@ from loomtrain.config import Config, ConfigError
 from loomtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from loomtrain.distributed.clip import NormLayout
 from loomtrain.distributed.data_parallel import CommHook, apply_data_parallel
+from loomtrain.distributed.local_sgd import replicas_sync_inside
 from loomtrain.distributed.mixed_precision import DynamicLossScaler, MixedPrecision
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
 from loomtrain.distributed.parallel_model import GridParallelModel, ParallelModel
@@ -188,19 +189,24 @@ def apply_gradient_sync(model: Transformer, dims: ParallelDims, cfg: Config, hoo
     """Plain data parallelism (``zero_stage=0``) or ZeRO over the ranks that share parameters;
     ZeRO's units are the transformer blocks. ``norm``: the tensor-parallel split of the
     gradient (its ``tp_group`` and ``pp_group`` are filled in from ``dims``); ``zero_tp``: 1D
-    tensor parallelism's shards, recorded in ZeRO's masters."""
+    tensor parallelism's shards, recorded in ZeRO's masters. A local mode's replicas of
+    ``dp_shard`` ranks (:func:`~loomtrain.distributed.local_sgd.replicas_sync_inside`) average
+    their gradients inside the replica only: the outer step is what crosses ``dp_replicate``."""
     dp = cfg.data_parallel
+    inside = replicas_sync_inside(dp, dims)
     norm = replace(norm, tp_group=dims.group_or_none(Axis.TP), pp_group=dims.group_or_none(Axis.PP))
     # Every rank creates the subgroups of every gradient group (hierarchical hooks need them).
     shard_groups = dims.axis_groups(Axis.DP_SHARD_SP) if dims.dp_replicate > 1 else []
     hook.setup(dims.axis_groups(Axis.DP_SP) + shard_groups)
     if dp.zero_stage == 0:
-        return apply_data_parallel(model, dims.grad_mesh.get_group(), dp.bucket_size_mb, hook, **vars(norm))
+        group = (dims.shard_mesh if inside else dims.grad_mesh).get_group()
+        return apply_data_parallel(model, group, dp.bucket_size_mb, hook, **vars(norm))
     mp = MixedPrecision.from_names(dp.param_dtype, dp.reduce_dtype)
     scaler = None
     if dp.param_dtype == "fp16":
         scaler = DynamicLossScaler(dp.loss_scale_init, dp.loss_scale_growth_interval)
-    return apply_zero(model, dims.zero_mesh, dp.zero_stage, list(model.layers.values()), mp, hook, scaler, tp=zero_tp,
+    mesh = dims.shard_mesh if inside else dims.zero_mesh
+    return apply_zero(model, mesh, dp.zero_stage, list(model.layers.values()), mp, hook, scaler, tp=zero_tp,
                       **vars(norm))  # fmt: skip
 
 
