@@ -157,14 +157,14 @@ class Trainer:
         self.n_params = count_params(self.model)  # counted whole, before sharding
         # Local modes: inner steps keep each replica's own gradient (averaged inside a replica of
         # dp_shard ranks); the outer sync averages the replicas.
-        dp = cfg.data_parallel
-        own = dp.mode != "sync" and not replicas_sync_inside(dp, self.dims)
-        hook = LocalOnlyHook() if own else build_comm_hook(cfg.compression, dp.comm_hook, self.topology)
+        dp_cfg = cfg.data_parallel
+        own = dp_cfg.mode != "sync" and not replicas_sync_inside(dp_cfg, self.dims)
+        hook = LocalOnlyHook() if own else build_comm_hook(cfg.compression, dp_cfg.comm_hook, self.topology)
         self.pm = parallelize_llama(self.model, self.dims, cfg, hook)
         self.sync = self.pm.sync
         self.optimizer = build_optimizer(self.model, t)
         self.sync.attach_optimizer(self.optimizer)
-        self.outer = build_outer_sync(dp, self.model, self.optimizer, outer_group(dp, self.dims), hook,
+        self.outer = build_outer_sync(dp_cfg, self.model, self.optimizer, outer_group(dp_cfg, self.dims), hook,
                                       self.sync.after_step)  # fmt: skip
         # async: each round reads its own batches (async_dp); this loader only carries the checkpoint's position.
         dp_rank, dp = (0, 1) if cfg.data_parallel.mode == "async" else (self.dims.dp_rank, self.dims.dp)
