@@ -7,6 +7,9 @@ alike), ``--steps`` steps each, one torch thread per process (as ``make train``)
   the training text, forward, backward, clipping, AdamW) of the same model at batch 12 and 6;
 - ``loomtrain_1proc``: ``loomtrain train`` on the default config, one process, batch 12;
 - ``loomtrain_2proc``: the same on two data-parallel processes, 6 samples per rank;
+- ``ddp_2proc``: the plain loop at batch 6 on two processes wrapped in torch's
+  ``DistributedDataParallel`` (gloo, its default 25 MiB buckets): the peer, what torch's own
+  data parallelism makes of the same two cores;
 - ``plain_b6_x2``: two plain loops at batch 6 at once, independent (no communication): the sum
   of their tokens/s is what two processes can reach on this machine at all, the ceiling for
   any 2-process data parallelism here.
@@ -34,11 +37,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from loomtrain.config import load_config
 from loomtrain.data.corpus import load_corpus
 from loomtrain.data.tokenizer import build_tokenizer, encode_to_tensor
+from loomtrain.distributed.spawn import free_port
 from loomtrain.models import Transformer
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 
@@ -52,12 +58,15 @@ RUNS = {
     "plain_b6": ("plain", 6),
     "loomtrain_1proc": (1, 12),
     "loomtrain_2proc": (2, 6),
+    "ddp_2proc": ("ddp", 6),
     "plain_b6_x2": ("plain_x2", 6),
 }
 
 
-def plain_loop(batch: int, steps: int) -> float:
-    """Tokens/s of a plain loop of the default model at ``batch`` (this process, one thread)."""
+def plain_loop(batch: int, steps: int, ddp: bool = False) -> float:
+    """Tokens/s of a plain loop of the default model at ``batch`` (this process, one thread);
+    with ``ddp`` (a rank of ``torchrun``-style environment variables) the model is wrapped in
+    ``DistributedDataParallel`` and the figure is the whole group's tokens/s seen by this rank."""
     torch.set_num_threads(1)
     cfg = load_config(CONFIG)
     train_text, val_text = load_corpus(cfg.data)
@@ -67,7 +76,12 @@ def plain_loop(batch: int, steps: int) -> float:
     torch.manual_seed(cfg.run.seed)
     model = Transformer(cfg.model)
     opt = build_optimizer(model, cfg.training)
-    seq, gen = cfg.training.seq_len, torch.Generator().manual_seed(0)
+    world, rank = 1, 0
+    if ddp:
+        dist.init_process_group("gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        model = DistributedDataParallel(model)
+    seq, gen = cfg.training.seq_len, torch.Generator().manual_seed(rank)
     for step in range(steps - LAST_BEFORE_FINAL):  # the loomtrain runs' span
         if step == WARMUP:
             start = time.perf_counter()
@@ -79,7 +93,10 @@ def plain_loop(batch: int, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return batch * seq * (steps - LAST_BEFORE_FINAL - WARMUP) / (time.perf_counter() - start)
+    rate = world * batch * seq * (steps - LAST_BEFORE_FINAL - WARMUP) / (time.perf_counter() - start)
+    if ddp:
+        dist.destroy_process_group()
+    return rate
 
 
 def job_overrides(steps: int, micro_batch: int) -> list[str]:
@@ -104,21 +121,25 @@ def loomtrain_run(nproc: int, micro_batch: int, steps: int, out_dir: str) -> flo
     return training.global_batch_size * training.seq_len * (last - first) / (times[last] - times[first])
 
 
-def plain_processes(batch: int, steps: int, copies: int) -> float:
-    """Summed tokens/s of ``copies`` plain loops running at once, each in its own process."""
-    cmd = [sys.executable, __file__, "--plain", str(batch), "--steps", str(steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(copies)]
+def plain_processes(batch: int, steps: int, copies: int, ddp: bool = False) -> float:
+    """Summed tokens/s of ``copies`` plain loops running at once, each in its own process; with
+    ``ddp`` they are the ranks of one DDP group and rank 0's figure (the group's) is returned."""
+    cmd = [sys.executable, __file__, "--plain", str(batch), "--steps", str(steps), *(["--ddp"] if ddp else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(copies), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}  # fmt: skip
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**env, "RANK": str(r)})
+             for r in range(copies)]  # fmt: skip
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a plain loop failed: exit codes {[p.returncode for p in procs]}")
-    return sum(float(out.strip().splitlines()[-1]) for out in outs)
+    rates = [float(out.strip().splitlines()[-1]) for out in outs]
+    return rates[0] if ddp else sum(rates)
 
 
 def one(run: str, steps: int, out_dir: str) -> float:
     kind, batch = RUNS[run]
-    if kind in ("plain", "plain_x2"):
-        return plain_processes(batch, steps, 2 if kind == "plain_x2" else 1)
+    if kind in ("plain", "plain_x2", "ddp"):
+        return plain_processes(batch, steps, 1 if kind == "plain" else 2, ddp=kind == "ddp")
     return loomtrain_run(kind, batch, steps, out_dir)
 
 
@@ -127,9 +148,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--plain", type=int, help=argparse.SUPPRESS)  # one plain loop at this batch (internal)
+    p.add_argument("--ddp", action="store_true", help=argparse.SUPPRESS)  # that loop as a DDP rank (internal)
     args = p.parse_args()
     if args.plain:
-        print(plain_loop(args.plain, args.steps))
+        print(plain_loop(args.plain, args.steps, args.ddp))
         return
     names, rates = list(RUNS), {name: [] for name in RUNS}
     with tempfile.TemporaryDirectory() as out_dir:
@@ -147,6 +169,8 @@ def main() -> None:
         "loomtrain_2proc_over_loomtrain_1proc": med["loomtrain_2proc"] / med["loomtrain_1proc"],
         "two_process_ceiling_over_plain_b12": med["plain_b6_x2"] / med["plain_b12"],
         "loomtrain_2proc_over_two_process_ceiling": med["loomtrain_2proc"] / med["plain_b6_x2"],
+        "loomtrain_2proc_over_ddp_2proc": med["loomtrain_2proc"] / med["ddp_2proc"],
+        "ddp_2proc_over_plain_b12": med["ddp_2proc"] / med["plain_b12"],
     }  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
@@ -154,6 +178,7 @@ def main() -> None:
         print(f"{name}: {rate:,.0f} tokens/s")
     for key in ("loomtrain_1proc_over_plain_b12", "loomtrain_2proc_over_loomtrain_1proc",
                 "two_process_ceiling_over_plain_b12", "loomtrain_2proc_over_two_process_ceiling",
+                "ddp_2proc_over_plain_b12", "loomtrain_2proc_over_ddp_2proc",
                 "loomtrain_2proc_over_plain_b6", "loomtrain_2proc_over_plain_b12"):  # fmt: skip
         print(f"{key}: {result[key]:.3f}")
 

@@ -259,6 +259,7 @@ class Trainer:
                 self._save()
             if self.preemption.agreed(self.device):
                 return self._stop_for_preemption()
+        self.preemption.drain()
         self.profiler.close()
         self.ckpt.finalize()
         if val_loss is None:
@@ -335,6 +336,7 @@ class Trainer:
 
     def _stop_for_preemption(self) -> dict:
         """All ranks agreed a SIGTERM arrived: checkpoint this step (unless just done), stop."""
+        self.preemption.drain()
         if self.ckpt.last_saved_step != self.step:
             self._save()
         self.ckpt.finalize()

@@ -21,7 +21,7 @@ from loomtrain.config import ModelConfig
 from loomtrain.distributed.data_parallel import apply_data_parallel, build_buckets
 from loomtrain.distributed.spawn import spawn
 from loomtrain.models import Transformer
-from tests.distributed.checks import check_result, run_checks
+from tests.distributed.checks import check_result, run_checks, spawn_once
 
 CFG = ModelConfig(n_layers=2, n_heads=4, dim=32, max_seq_len=16, vocab_size=48)
 MB, SEQ = 2, 16
@@ -67,9 +67,27 @@ def variant(bucket_mb: float, accum: int) -> str:
     return f"bucket {bucket_mb} MB accum {accum}"
 
 
+# Far below the test model's gradient norm (about 3), so the scaling is active.
+MAX_NORM = 0.05
+
+
+def dp_clipped_grads(world: int, bucket_mb: float) -> dict[str, torch.Tensor]:
+    """Gradients after the synchronizer's clipping (``prepare_step``) of one step."""
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    sync = apply_data_parallel(model, dist.group.WORLD, bucket_mb)
+    ((x, y),) = rank_micro_batches(world, dist.get_rank(), 1)
+    loss_of(model, x, y).backward()
+    sync.finish_gradient_sync()
+    sync.prepare_step(MAX_NORM)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def dp_variants(world: int) -> dict:
     """Every bucket size and accumulation in one spawn, each a check of its own (:func:`run_checks`)."""
-    return run_checks({variant(b, a): partial(dp_one_step, world, b, a) for b in BUCKET_MB for a in (1, 2)})
+    checks = {variant(b, a): partial(dp_one_step, world, b, a) for b in BUCKET_MB for a in (1, 2)}
+    checks.update({f"clip {b}": partial(dp_clipped_grads, world, b) for b in BUCKET_MB})
+    return run_checks(checks)
 
 
 def reference_one_step(world: int, accum: int):
@@ -97,7 +115,7 @@ def test_dp_step_equals_single_process_on_concatenated_batch(world):
     """Catches: wrong averaging, a bucket reduced twice or not at all, gradients read before
     their all-reduce finished, accumulation that communicates (bytes sent with 2 micro-batches
     must equal those with 1) or loses micro-batches."""
-    results = spawn(dp_variants, world, world)
+    results = spawn_once(dp_variants, world, world, timeout_s=120)
     for bucket_mb, accum in ((b, a) for b in BUCKET_MB for a in (1, 2)):
         ref = reference_one_step(world, accum)
         for rank in range(world):
@@ -108,6 +126,21 @@ def test_dp_step_equals_single_process_on_concatenated_batch(world):
             assert_close_dicts(params, ref[1], f"param (world {world}, bucket {bucket_mb} MB, accum {accum})")
     n_buckets = {b: check_result(results, variant(b, 1))[2] for b in (BUCKET_MB[0], BUCKET_MB[-1])}
     assert n_buckets[BUCKET_MB[0]] > n_buckets[BUCKET_MB[-1]] == 1
+
+
+@pytest.mark.parametrize("bucket_mb", BUCKET_MB)
+def test_clipping_equals_torch_clip_of_the_averaged_gradient(bucket_mb):
+    """Catches: a norm over the buckets that misses a bucket or counts one twice, a bucket
+    holding other bytes than the gradients (the norm is taken over the flat buffers), a
+    scaling applied to copies instead of the ``.grad`` views the optimizer reads."""
+    results = spawn_once(dp_variants, 2, 2, timeout_s=120)
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    loss_of(model, *global_batch(2, 1)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for rank in range(2):
+        assert_close_dicts(check_result(results, f"clip {bucket_mb}", rank), want, f"clipped grad ({bucket_mb} MB)")
 
 
 def test_buckets_follow_reverse_registration_and_size_cap():

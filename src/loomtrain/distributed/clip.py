@@ -29,6 +29,36 @@ def split_by_tp(
     return sharded, replicated
 
 
+# Elements per row of the norm: float32's running sum over a row stays accurate (7e-8 relative
+# over 824,448 elements in rows of 1,024, against float64), and rows are summed pairwise.
+NORM_ROW = 1024
+
+
+def _row_norms(grad: torch.Tensor) -> list[torch.Tensor]:
+    """L2 norms (float32) of ``grad``'s elements in rows of ``NORM_ROW``, the last row shorter."""
+    flat = grad.reshape(-1).float()
+    full = flat.numel() // NORM_ROW * NORM_ROW
+    norms = [torch.linalg.vector_norm(flat[:full].view(-1, NORM_ROW), dim=1)] if full else []
+    if full < flat.numel():
+        norms.append(torch.linalg.vector_norm(flat[full:]).reshape(1))
+    return norms
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """Σ g² over all elements of ``grads``, in float32 (a 0-dim tensor; 0 for no gradients).
+
+    Row norms, squared and summed: no temporary the size of the gradient (``pow(2).sum()``
+    over the default job's 3.3 MB gradient bucket took 0.5 ms a step, mostly a fresh buffer's
+    page faults) and a few kernels per tensor. Not one ``torch._foreach_norm`` or
+    ``vector_norm`` per tensor: on CPU they accumulate a whole tensor in one float32 running
+    sum, 3.7e-5 relative error over 824,448 elements, and layouts that split the same gradient
+    differently (a flat bucket, ZeRO's shards) would then clip it differently."""
+    norms = [n for g in grads for n in _row_norms(g)]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.cat(norms).square().sum()
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     sharded: list[torch.Tensor],
@@ -53,10 +83,8 @@ def clip_grad_norm_(
     (pipeline: each rank holds other layers) both are then summed over the pipeline ranks too.
     """
     grads = sharded + replicated
-    squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
-    for i, part in enumerate((sharded, replicated)):
-        for g in part:
-            squares[i] += g.float().pow(2).sum()
+    device = grads[0].device if grads else None
+    squares = torch.stack([_sum_of_squares(sharded, device), _sum_of_squares(replicated, device)])
     for group in (reduce_group, pp_group):
         if group is not None:
             dist.all_reduce(squares, group=group)
