@@ -608,8 +608,9 @@ class ParallelConfig(_Section):
         ge=1,
         description=(
             "Replica groups among the data-parallel ranks (HSDP, needs data_parallel.zero_stage >= 1); ZeRO "
-            "shards model state within each group of dp / this many ranks. With data_parallel.mode local_sgd or "
-            "diloco: the replicas, each of dp / this many ranks (plain DP or ZeRO inside), averaged by the outer step."
+            "shards model state within each group of dp / this many ranks. With data_parallel.mode local_sgd, "
+            "diloco or streaming_diloco: the replicas, each of dp / this many ranks (plain DP or ZeRO inside), "
+            "averaged by the outer step."
         ),
     )
     tensor_parallel_degree: int = Field(
@@ -992,8 +993,8 @@ class Config(_Section):
         """``data_parallel.mode`` local_sgd/diloco/streaming_diloco run on data parallelism with
         Megatron tensor parallelism inside each replica, local_sgd and fp32 diloco also with
         pipeline parallelism (the outer sync averages each rank's shards or stage over its dp
-        group) and with replicas of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1:
-        plain DP or ZeRO inside a replica, the outer step over ``dp_replicate``); nothing else
+        group), and all three with replicas of ``dp_shard`` ranks (``data_parallel_replicate_degree``
+        > 1: plain DP or ZeRO inside a replica, the outer step over ``dp_replicate``); nothing else
         sharded, split or compressed inside a replica, for now. ``async`` on plain data
         parallelism only."""
         mode = self.data_parallel.mode
@@ -1005,7 +1006,7 @@ class Config(_Section):
         # from the whole model's blocks, not a pipeline stage's: pp only with whole-model syncs.
         whole = mode in ("local_sgd", "diloco") and self.data_parallel.outer_grad_dtype == "fp32"
         inner_pp = p.pipeline_parallel_degree if whole else 1
-        replicas = p.data_parallel_replicate_degree if whole else 1
+        replicas = p.data_parallel_replicate_degree if mode != "async" else 1
         # ZeRO's masters inside a replica: of whole parameters (1D tp's would need ZeRO's tp mesh
         # without the replicate axis).
         zero = self.data_parallel.zero_stage if replicas > 1 and p.tensor_parallel_degree == 1 else 0
@@ -1027,9 +1028,9 @@ class Config(_Section):
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
-                    "by Megatron tp, or for local_sgd and fp32 diloco by a pipeline or over dp_shard ranks with "
-                    "plain DP or ZeRO (parallel.data_parallel_replicate_degree > 1, without tp), but not otherwise "
-                    f"sharded or compressed); set {name}={needed!r}"
+                    "by Megatron tp, over dp_shard ranks with plain DP or ZeRO (parallel.data_parallel_replicate_degree"
+                    " > 1, without tp), or for local_sgd and fp32 diloco by a pipeline, but not otherwise sharded or "
+                    f"compressed); set {name}={needed!r}"
                     + (
                         ", data_parallel.outer_grad_dtype='fp32'"
                         if name.endswith("pipeline_parallel_degree") and mode == "diloco"

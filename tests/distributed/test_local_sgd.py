@@ -40,6 +40,10 @@ from tests.distributed.checks import check_result, run_checks, spawn_once
 CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
 CFG2 = ModelConfig(n_layers=2, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)  # streaming: up to 2 fragments
 STEPS, RTOL = 7, 1e-6
+# Streaming DiLoCo whose outer gradients sum the same in any layout: bf16 rounds each element
+# alone (int8's scales span a chunk of the rows a rank holds).
+STREAMING = ["--data_parallel.fragments=2", "--data_parallel.overlap_steps=1", "--data_parallel.outer_grad_dtype=bf16"]
+INT8 = ["--data_parallel.outer_grad_dtype=int8"]
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +208,8 @@ def all_checks() -> dict:
         # The references of the replicas of dp_shard ranks (4 processes, below): one rank per replica.
         "local_sgd_h2": lambda: train_local_tp("local_sgd", [], 2, evaluate=True),
         "diloco_h2": lambda: train_local_tp("diloco", [], 2, evaluate=True),
+        "streaming_h2": lambda: train_local_tp("streaming_diloco", STREAMING, 2, evaluate=True),
+        "diloco_int8_h2": lambda: train_local_tp("diloco", INT8, 2, evaluate=True),
     })  # fmt: skip
 
 
@@ -394,16 +400,17 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     shard over), Megatron SP, Ulysses sp, compression or data balancing, which would run with a
     gradient synchronizer or replica layout the outer sync ignores (SP's norm gradients are
     partial per tp rank and the local modes skip their sum); ZeRO with tp inside replicas, or
-    streaming with replicas, neither of them built; or replicas of dp_shard ranks with ZeRO
-    refused where they compose."""
+    async with replicas of several ranks, neither of them built; or replicas of dp_shard ranks
+    with ZeRO (also streaming's) refused where they compose."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
     replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
     assert load_config(None, ["--data_parallel.mode=diloco", *replicas]).data_parallel.zero_stage == 3
     with pytest.raises(ConfigError, match="with data_parallel.zero_stage=3 is not supported yet"):
         load_config(None, ["--data_parallel.mode=diloco", *replicas, "--parallel.tensor_parallel_degree=2"])
+    assert load_config(None, ["--data_parallel.mode=streaming_diloco", *replicas]).data_parallel.zero_stage == 3
     with pytest.raises(ConfigError, match="with parallel.data_parallel_replicate_degree=2 is not supported yet"):
-        load_config(None, ["--data_parallel.mode=streaming_diloco", replicas[0]])
+        load_config(None, ["--data_parallel.mode=async", replicas[0]])
     with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=2"):
         load_config(None, ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"])
     # Streaming's fragments are cut from the whole model's blocks: a stage may hold none of one.
@@ -589,6 +596,10 @@ def train_local_tp(
     return {name: p.detach().clone() for name, p in pm.full_model().named_parameters()}
 
 
+def zero(stage: int) -> list[str]:
+    return [f"--data_parallel.zero_stage={stage}"]
+
+
 def local_tp_cases() -> dict:
     tp2, pp2 = ["--parallel.tensor_parallel_degree=2"], ["--parallel.pipeline_parallel_degree=2"]
     r2 = ["--parallel.data_parallel_replicate_degree=2"]  # 2 replicas of 2 dp_shard ranks
@@ -608,6 +619,9 @@ def local_tp_cases() -> dict:
         "local_sgd_h2_r2": lambda: train_local_tp("local_sgd", r2, 2, evaluate=True),
         "diloco_h2_r2_zero1": lambda: train_local_tp("diloco", [*r2, "--data_parallel.zero_stage=1"], 2, True),
         "diloco_h2_r2_zero3": lambda: train_local_tp("diloco", [*r2, "--data_parallel.zero_stage=3"], 2, True),
+        "streaming_h2_r2_zero1": lambda: train_local_tp("streaming_diloco", [*r2, *zero(1), *STREAMING], 2, True),
+        "streaming_h2_r2_zero3": lambda: train_local_tp("streaming_diloco", [*r2, *zero(3), *STREAMING], 2, True),
+        "diloco_int8_h2_r2_zero3": lambda: train_local_tp("diloco", [*r2, *zero(3), *INT8], 2, True),
     })  # fmt: skip
 
 
@@ -648,10 +662,26 @@ def test_replicas_of_dp_shard_ranks_equal_one_rank_per_replica():
     replica's mean gradient is the same, and every difference above changes the trajectory."""
     got = spawn_once(local_tp_cases, 4, timeout_s=300)
     for reference, names in (("local_sgd_h2", ("local_sgd_h2_r2",)),
-                             ("diloco_h2", ("diloco_h2_r2_zero1", "diloco_h2_r2_zero3"))):  # fmt: skip
+                             ("diloco_h2", ("diloco_h2_r2_zero1", "diloco_h2_r2_zero3")),
+                             ("streaming_h2", ("streaming_h2_r2_zero1", "streaming_h2_r2_zero3"))):  # fmt: skip
         want = check_result(results(), reference)
         for name in names:
             params = check_result(got, name)
             assert params.keys() == want.keys()
             for key in want:
                 torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_int8_outer_gradients_of_zero_sharded_replicas_stay_close_to_one_rank_replicas():
+    """Catches: int8 outer gradients of ZeRO rows encoded with the whole tensors' sizes (the
+    payload's scales and values would be cut at the wrong places: garbage, or a size error), or
+    summed over dp_shard instead of dp_replicate. DiLoCo, H = 2, 2 replicas of 2 ZeRO-3 ranks:
+    int8's per-chunk scales fall elsewhere than with 2 one-rank replicas (a rank quantizes its
+    own rows), so the two differ by quantization error; each must stay as close to fp32 DiLoCo
+    as the other, within 2x the one-rank replicas' largest error."""
+    fp32, one_rank = check_result(results(), "diloco_h2"), check_result(results(), "diloco_int8_h2")
+    sharded = check_result(spawn_once(local_tp_cases, 4, timeout_s=300), "diloco_int8_h2_r2_zero3")
+    assert sharded.keys() == fp32.keys()
+    error = {name: max((run[k] - fp32[k]).abs().max().item() for k in fp32)
+             for name, run in (("one_rank", one_rank), ("sharded", sharded))}  # fmt: skip
+    assert 0 < error["sharded"] <= 2 * error["one_rank"], error

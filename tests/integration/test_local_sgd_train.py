@@ -1,6 +1,7 @@
 """DiLoCo through the whole training loop on 2 gloo processes: a resume inside an inner phase
 continues the run exactly, the run ends on one model, only outer steps send bytes; and on 4, with
-2 replicas of 2 ZeRO-3 ranks each, the resume again.
+2 replicas of 2 ZeRO ranks each (DiLoCo, and streaming DiLoCo with bf16 outer gradients), the
+resume again.
 
 8 steps with H = 3: outer steps after steps 3, 6 and (forced, the last) 8; the checkpoint of
 step 4 lies one step into the second inner phase.
@@ -72,14 +73,29 @@ def test_run_ends_on_one_model_and_only_outer_steps_send_bytes(whole):
     assert summary["comm_bytes_per_step"] == 3 * all_reduce_bytes(4 * summary["n_params"], 2) / 8
 
 
-def test_resume_with_zero3_inside_replicas_of_two_ranks(tmp_path):
-    """Catches: with ZeRO-3 inside each of 2 replicas of 2 dp_shard ranks, a replica's θ_local
+STREAMING = ["--data_parallel.mode=streaming_diloco", "--data_parallel.fragments=2", "--data_parallel.overlap_steps=1",
+             "--data_parallel.outer_grad_dtype=bf16"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--data_parallel.zero_stage=3"], ["--data_parallel.zero_stage=1", *STREAMING]],
+    ids=["diloco_zero3", "streaming_bf16_zero1"],
+)
+def test_resume_with_zero_inside_replicas_of_two_ranks(extra, tmp_path):
+    """Catches: with ZeRO inside each of 2 replicas of 2 dp_shard ranks, a replica's θ_local
     rows, its sharded AdamW moments or the outer state lost or mixed up across a restart (the
     rank file holds this rank's rows only), or ZeRO's compute copies not refreshed from the
-    restored masters: the losses after the resume would differ from the uninterrupted run's."""
-    replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
+    restored masters: the losses after the resume would differ from the uninterrupted run's.
+    Streaming DiLoCo (H = 3, fragments at offsets 0 and 1, τ = 1): the checkpoint of step 4 holds
+    fragment 1's bf16 sum of this rank's rows in flight, to be applied at step 5."""
+    replicas = ["--parallel.data_parallel_replicate_degree=2", *extra]
     whole = train(tmp_path, "whole", *replicas, world=4)
     checkpoint = whole / "checkpoints" / "step_00000004"
     resumed = train(tmp_path, "resumed", *replicas, f"--checkpoint.resume={checkpoint}", world=4)
     assert {k: v for k, v in losses(whole).items() if k > 4} == losses(resumed)
-    assert [s["inner_done"] for s in outer_states(checkpoint)] == [1] * 4
+    states = outer_states(checkpoint)
+    if "--data_parallel.mode=streaming_diloco" in extra:
+        assert [[p["apply_at"] for p in s["pending"]] for s in states] == [[5]] * 4
+    else:
+        assert [s["inner_done"] for s in states] == [1] * 4

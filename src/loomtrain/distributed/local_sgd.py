@@ -520,7 +520,8 @@ class StreamingOuterSync(OuterSync):
             self.hook.bytes_sent += all_reduce_bytes(4 * delta.numel(), n)
             work = dist.all_reduce(delta, group=self.group, async_op=True)
             return InFlight(fragment, apply_at, work, lambda: delta)
-        numels = [p.numel() for p in self.params[params]]
+        # This rank's rows of each tensor (held): with ZeRO inside a replica, a shard of it.
+        numels = [held(p).numel() for p in self.params[params]]
         payload = encode_outer(delta, numels, self.outer_grad_dtype)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
         parts = list(gathered.chunk(n))
