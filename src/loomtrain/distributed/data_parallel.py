@@ -352,8 +352,7 @@ class GradientSynchronizer(GradientSync):
         """The gradients for the norm: per parameter where tensor parallelism sorts them by name,
         else the buckets, which hold every gradient back to back (after
         :meth:`finish_gradient_sync` each ``.grad`` is a view of one): the same norm and
-        scaling in one kernel per bucket instead of one per parameter (0.3 of the default
-        job's 0.5 ms per step of clipping, cProfile)."""
+        scaling with a few kernels per bucket instead of per parameter."""
         if self.norm.tp_sharded:
             return [(n, p.grad) for n, p in self.named_params]
         return [(f"bucket {b.index}", b.buffer) for b in self.buckets]
