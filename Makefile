@@ -36,6 +36,8 @@ test-all: $(STAMP) etcd
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_default.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/cpu_time_default.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/profile_default.py --nproc 1
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/profile_default.py --nproc 2
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_dp.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_zero.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_compression.py
