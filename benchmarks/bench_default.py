@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from loomtrain.config import load_config
+from loomtrain.config import Config, load_config
 from loomtrain.data.corpus import load_corpus
 from loomtrain.data.tokenizer import build_tokenizer, encode_to_tensor
 from loomtrain.distributed.spawn import free_port
@@ -104,6 +104,13 @@ def job_overrides(steps: int, micro_batch: int) -> list[str]:
     before the last step, no checkpoint and no sample (``section.field=value`` overrides)."""
     return [f"training.steps={steps}", f"training.micro_batch_size={micro_batch}",
             f"training.eval_interval={steps + 1}", "checkpoint.enabled=false", "sample.max_new_tokens=0"]  # fmt: skip
+
+
+def rank_config(steps: int, out_dir: str) -> Config:
+    """The default job of :func:`job_overrides` for this process group: the global batch split
+    over its ranks, the run written under ``out_dir`` (overwritten)."""
+    micro_batch = load_config(CONFIG).training.global_batch_size // dist.get_world_size()
+    return load_config(CONFIG, [f"run.out_dir={out_dir}", "run.overwrite=true", *job_overrides(steps, micro_batch)])
 
 
 def loomtrain_run(nproc: int, micro_batch: int, steps: int, out_dir: str) -> float:

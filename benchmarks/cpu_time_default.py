@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_default import CONFIG, job_overrides
+from bench_default import rank_config
 
-from loomtrain.config import load_config
 from loomtrain.distributed.spawn import spawn
 from loomtrain.trainer import train
 
@@ -45,9 +44,7 @@ def thread_cpu_s() -> dict[str, float]:
 def run(steps: int, out_dir: str) -> dict[str, float]:
     """Wall seconds and CPU seconds (main thread, others) of one default-job run on this rank."""
     torch.set_num_threads(1)
-    world = torch.distributed.get_world_size()
-    micro_batch = load_config(CONFIG).training.global_batch_size // world
-    cfg = load_config(CONFIG, [f"run.out_dir={out_dir}", "run.overwrite=true", *job_overrides(steps, micro_batch)])
+    cfg = rank_config(steps, out_dir)
     before, start = thread_cpu_s(), time.perf_counter()
     train(cfg)
     wall, after = time.perf_counter() - start, thread_cpu_s()

@@ -21,9 +21,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_default import CONFIG, job_overrides
+from bench_default import rank_config
 
-from loomtrain.config import load_config
 from loomtrain.distributed.spawn import spawn
 from loomtrain.trainer import train
 
@@ -46,9 +45,7 @@ PIECES = {
 def profiled_run(steps: int, stats_path: str, out_dir: str) -> None:
     """Rank 0's cProfile of one default-job run, dumped to ``stats_path``."""
     torch.set_num_threads(1)
-    world = torch.distributed.get_world_size()
-    batch = load_config(CONFIG).training.global_batch_size // world
-    cfg = load_config(CONFIG, [f"run.out_dir={out_dir}", "run.overwrite=true", *job_overrides(steps, batch)])
+    cfg = rank_config(steps, out_dir)
     profile = cProfile.Profile()
     profile.enable()
     train(cfg)
