@@ -1,37 +1,43 @@
-"""Asynchronous local SGD against synchronous DP and DiLoCo (issue #16): with one slow rank, and
-on emulated hosts over a slow link. Needs root (cgroup CPU throttling, ``cluster/throttle.py``;
-network namespaces and tc, ``cluster/emulated.py``).
+"""Communication-light and asynchronous data parallelism against synchronous DP (issue #16): on
+emulated hosts over a slow link, and with one slow rank. Needs root (network namespaces and tc,
+``cluster/emulated.py``; cgroup CPU throttling, ``cluster/throttle.py``).
 
-Part ``throttled``: three training ranks, each limited by the kernel's CFS bandwidth control to a fraction of one
-core and pinned (``simulate.rank_speed``): two at ``FAST`` and one at a quarter of that
-(``SLOW``). Every run trains the same tokens (``steps`` × ``global_batch_size`` samples of
-``seq_len``) of the same model and data from the same seed:
-
-- ``sync``: synchronous DP on the 3 ranks (uniform split: every step waits for the slow rank);
-- ``diloco``: DiLoCo on the 3 ranks, ``H`` inner steps (the outer all-reduce waits for it too);
-- ``async``: 4 processes, rank 0 the server (at ``SERVER`` of a core: it only applies deltas) and
-  the 3 ranks as workers, ``H`` inner steps per round; the fast workers take more rounds.
-  Run twice: ``max_staleness = 4`` (the default: the slow worker's deltas, about 8 updates
-  stale, are rejected) and ``max_staleness = 16`` (they are applied, scaled by 1/(1+τ)).
-
-Reported per run: training tokens/s (``summary.json``: the job's tokens over the training
-seconds, for async the server's seconds from its first round to its last), final validation
-loss of the one model the run ends with (same fixed validation set), wall seconds, bytes per
-step, and for async the staleness counts; then the ratios against ``sync`` of the same
-invocation (a shared machine: only ratios from one invocation are comparable).
+Every run trains the default job's model and data (``configs/shakespeare_char.toml``: 824,448
+parameters, global batch 12 of 64 tokens) from the same seed, evaluates the one model it holds
+(DiLoCo's θ_global, async's server model) every ``eval_interval`` steps on the same validation
+batches, and records validation loss against wall seconds since its launch and against the
+bytes a rank sent over the dp group (mean over ranks, the gradient hooks' count).
 
 Part ``link``: world 4 on 2 emulated hosts × 2 processes whose links run at ``LINK_RATE`` each
-way (``loomtrain train --cluster``), no throttling: ``sync`` and ``diloco`` on the 4 ranks,
-``async`` with the server and one worker on host 0 and two workers on host 1; the same figures
-plus the bytes that crossed the host links per step (tc counters). Global batch 24 (whole
-micro-batches of 2 for 4 sync ranks and for 3 async workers).
+way, no throttling (micro-batch 3): ``sync`` DP, ``local_sgd`` (H = 8), ``diloco`` (H = 100,
+fp32 outer gradients), ``diloco_int8`` (H = 50, int8 outer gradients), ``streaming_diloco``
+(H = 100, its default 2 fragments, overlap 1), all for ``steps``; ``diloco_long`` (H = 100 for
+3 × the steps, its own schedule: how long DiLoCo takes to reach sync DP's final loss when
+it may train past it); ``async`` (the server and one worker on host 0, two workers on host 1,
+H = 50). Plus the bytes that crossed the host links (tc counters).
 
-    python benchmarks/bench_async_dp.py [--part throttled|link|all] [--quick] [--out FILE]
+Part ``throttled``: three training ranks, each limited by the kernel's CFS bandwidth control to
+a fraction of one core and pinned (``simulate.rank_speed``), two at ``FAST`` and one at a
+quarter of that (``SLOW``); micro-batch 4: ``sync`` (uniform split: every step waits for the
+slow rank), ``sync_balanced`` (``balance.data``: the split follows measured speed), ``async``
+(4 processes: rank 0 the server at ``SERVER`` of a core, the 3 ranks as workers, H = 50) for the
+same tokens, and ``async_long`` for 3 × the tokens.
+
+Per run: final validation loss, wall seconds, tokens/s, bytes per step, the wall seconds until
+its validation loss first reached sync DP's final one (``time_to_sync_loss_s``; sync's own is its
+last evaluation's) and, for async, staleness counts. Ratios are against ``sync`` of the same
+part and invocation (a shared machine: only ratios from one invocation are comparable). The
+JSON's headline figures: ``diloco_val_loss_ratio`` (DiLoCo H = 100's final validation loss over
+sync DP's, equal steps) and ``diloco_bytes_ratio`` (sync DP's bytes per step over its); the
+same for ``diloco_int8``; ``sync_loss_time_ratio`` of the fastest sync-family run to reach sync
+DP's final loss (link) and of async (throttled), over sync DP's time. The plot (validation
+loss against wall time and against bytes) goes to ``docs/img/async_dp.png``.
+
+    python benchmarks/bench_async_dp.py [--part link|throttled|all] [--quick] [--out FILE]
 
 Writes ``benchmarks/results/async_dp.json`` (a part run alone keeps the file's other part;
-``--quick``: a smoke test of a few steps, written to the temp directory instead) and prints a
-table per part with async's tokens/s ratio over sync, then (link part) DiLoCo's validation loss
-ratio and, last, its bytes ratio (``diloco_val_loss_ratio``, ``diloco_bytes_ratio`` in the JSON).
+``--quick``: a smoke test of a few steps, JSON and plot written to the temp directory instead)
+and prints a table per part, DiLoCo's bytes ratio last.
 """
 
 from __future__ import annotations
@@ -57,102 +63,146 @@ from loomtrain.config import toml_value
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 RESULTS = ROOT / "benchmarks" / "results"
+PLOT = ROOT / "docs" / "img" / "async_dp.png"
 FAST, SLOW, SERVER = 0.6, 0.15, 0.25  # cores: 0.6 + 0.25 and 0.6 + 0.15, each within 0.9
-MODEL = ["--model.dim=128", "--model.n_layers=2", "--model.n_heads=4", "--model.max_seq_len=64",
-         "--training.seq_len=64", "--training.global_batch_size=12", "--training.micro_batch_size=2"]  # fmt: skip
+# diloco_long and async_long train this many times the steps (tokens): long enough to pass sync DP's
+# final loss (measured: DiLoCo H = 100 ends 12% above it at equal steps, and at 3x passes it; async
+# ends 9% above at equal tokens and still 0.5% above at 2x)
+LONG = {"diloco_long": 3, "async_long": 3}
 COMMON = ["--metrics.progress_bar=false", "--sample.max_new_tokens=0", "--checkpoint.enabled=false",
-          "--metrics.tensorboard=false", "--training.eval_batches=16",
-          "--distributed.probe_topology=false"]  # fmt: skip
+          "--metrics.tensorboard=false", "--distributed.probe_topology=false"]  # fmt: skip
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LINK_RATE = "100mbit"
-FULL = {"steps": 300, "inner_steps": 10, "link_steps": 150}
-QUICK = {"steps": 20, "inner_steps": 5, "link_steps": 10}
+SYNC_FAMILY = ("local_sgd", "diloco", "diloco_int8", "streaming_diloco", "diloco_long")
+FULL = {"steps": 2000, "eval_interval": 100,
+        "inner_steps": {"local_sgd": 8, "diloco": 100, "diloco_int8": 50, "streaming_diloco": 100,
+                        "async": 50}}  # fmt: skip
+QUICK = {"steps": 20, "eval_interval": 5,
+         "inner_steps": {"local_sgd": 2, "diloco": 5, "diloco_int8": 5, "streaming_diloco": 4, "async": 5}}  # fmt: skip
 
 
-def runs(plan: dict) -> dict[str, tuple[int, list[str]]]:
-    """Each run's process count and CLI arguments (besides the config file, names, ``MODEL``,
-    ``COMMON``)."""
-    steps, h = plan["steps"], plan["inner_steps"]
+def run_spec(nproc: int, args: list[str], scale: int = 1) -> dict:
+    """One run: its process count, CLI arguments (besides the schedule and ``COMMON``) and
+    how many times the plan's steps it trains."""
+    return {"nproc": nproc, "args": args, "scale": scale}
+
+
+def mode(plan: dict, name: str, key: str | None = None) -> list[str]:
+    """The arguments of data-parallel mode ``name`` with the plan's H for ``key`` (default ``name``)."""
+    return [f"--data_parallel.mode={name}", f"--data_parallel.inner_steps={plan['inner_steps'][key or name]}"]
+
+
+def link_runs(plan: dict) -> dict[str, dict]:
+    """The link part's runs, world 4 on the emulated cluster."""
+    micro, workers = "--training.micro_batch_size=3", "--training.micro_batch_size=4"  # 12 over 4 ranks / 3 workers
+    diloco = [micro, *mode(plan, "diloco")]
+    return {
+        "sync": run_spec(4, [micro]),
+        "local_sgd": run_spec(4, [micro, *mode(plan, "local_sgd")]),
+        "diloco": run_spec(4, diloco),
+        "diloco_int8": run_spec(
+            4, [micro, *mode(plan, "diloco", "diloco_int8"), "--data_parallel.outer_grad_dtype=int8"]
+        ),
+        "streaming_diloco": run_spec(4, [micro, *mode(plan, "streaming_diloco")]),
+        "diloco_long": run_spec(4, diloco, scale=LONG["diloco_long"]),
+        "async": run_spec(4, [workers, *mode(plan, "async")]),
+    }
+
+
+def throttled_runs(plan: dict) -> dict[str, dict]:
+    """The throttled part's runs: 3 training ranks at ``FAST``, ``FAST``, ``SLOW`` of a core."""
+    micro = "--training.micro_batch_size=4"  # 12 over 3 ranks or 3 workers
     three = f"--simulate.rank_speed={toml_value([FAST, FAST, SLOW])}"
     four = f"--simulate.rank_speed={toml_value([SERVER, FAST, FAST, SLOW])}"
-    base = [f"--training.steps={steps}", f"--training.eval_interval={steps}", f"--training.decay_steps={steps}",
-            f"--training.warmup_steps={steps // 10}"]  # fmt: skip
-    async_ = [*base, four, "--data_parallel.mode=async", f"--data_parallel.inner_steps={h}"]
+    async_ = [micro, four, *mode(plan, "async")]
     return {
-        "sync": (3, [*base, three]),
-        "diloco": (3, [*base, three, "--data_parallel.mode=diloco", f"--data_parallel.inner_steps={h}"]),
-        "async_staleness4": (4, async_),
-        "async_staleness16": (4, [*async_, "--data_parallel.max_staleness=16"]),
+        "sync": run_spec(3, [micro, three]),
+        "sync_balanced": run_spec(3, [micro, three, "--balance.data=true"]),
+        "async": run_spec(4, async_),
+        "async_long": run_spec(4, async_, scale=LONG["async_long"]),
     }
 
 
-def link_runs(plan: dict) -> dict[str, list[str]]:
-    """Each link run's CLI arguments (world 4 on the emulated cluster)."""
-    steps, h = plan["link_steps"], plan["inner_steps"]
-    base = [f"--training.steps={steps}", f"--training.eval_interval={steps}", f"--training.decay_steps={steps}",
-            f"--training.warmup_steps={steps // 10}", f"--training.log_interval={steps}",
-            "--training.global_batch_size=24"]  # fmt: skip  # whole micro-batches for 4 ranks and for 3 workers
-    return {
-        "sync": base,
-        "diloco": [*base, "--data_parallel.mode=diloco", f"--data_parallel.inner_steps={h}"],
-        "async": [*base, "--data_parallel.mode=async", f"--data_parallel.inner_steps={h}"],
-    }
+def schedule(plan: dict, scale: int) -> list[str]:
+    """Steps, warm-up (the default job's 1/20) and evaluation cadence of a run of ``scale`` × the plan's steps."""
+    steps, every = plan["steps"] * scale, plan["eval_interval"]
+    return [f"--training.steps={steps}", f"--training.warmup_steps={plan['steps'] // 20}",
+            f"--training.eval_interval={every}", f"--training.log_interval={every}"]  # fmt: skip
 
 
-def train(work: Path, name: str, nproc: int, extra: list[str], cluster: str | None = None) -> tuple[Path, float]:
-    """One ``loomtrain train`` run as a subprocess (``nproc`` local processes, or on the emulated
-    ``cluster``); returns its run directory and wall seconds.
+def train(work: Path, name: str, spec: dict, plan: dict, cluster: str | None = None) -> tuple[Path, float, float]:
+    """One ``loomtrain train`` run as a subprocess (local processes, or on the emulated
+    ``cluster``); returns its run directory, its launch time (Unix seconds) and wall seconds.
 
     Raises:
         RuntimeError: the run failed; the message holds the command and the end of its stderr.
     """
-    where = ["--nproc", str(nproc)] if cluster is None else ["--cluster", cluster]
+    where = ["--nproc", str(spec["nproc"])] if cluster is None else ["--cluster", cluster]
     cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", str(CONFIG), *where,
-           f"--run.out_dir={work}", f"--run.name={name}", "--overwrite", *MODEL, *COMMON, *extra]  # fmt: skip
-    start = time.perf_counter()
+           f"--run.out_dir={work}", f"--run.name={name}", "--overwrite", *COMMON,
+           *schedule(plan, spec["scale"]), *spec["args"]]  # fmt: skip
     env = ENV if cluster is None else {**ENV, "LOOMTRAIN_CLUSTER_DIR": str(work / "clusters")}
+    launched, start = time.time(), time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-4000:]}")
     wall = time.perf_counter() - start
     print(f"  {name}: {wall:.0f} s", flush=True)
-    return work / name, wall
+    return work / name, launched, wall
 
 
-def summarize(run: Path, wall_s: float) -> dict:
-    """The figures of one run from its ``summary.json`` (and, for async, its rounds per worker
-    from ``metrics.jsonl``)."""
+def curve(run: Path, launched: float, summary: dict, wall_s: float) -> list[list[float]]:
+    """``[step, seconds since launch, bytes sent per rank so far, validation loss]`` at every
+    evaluation, the final one included (async's final evaluation is not in ``metrics.jsonl``: its
+    time is the process's end). Bytes: ``comm_bytes_dp`` (the mean over ranks per step so far)
+    × steps; async records carry none, so its run mean is used."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    per_step = summary["comm_bytes_per_step"]
+    points = [[r["step"], r["time"] - launched, r.get("comm_bytes_dp", per_step) * r["step"], r["val_loss"]]
+              for r in records if "val_loss" in r]  # fmt: skip
+    final = summary["final_step"]
+    if not points or points[-1][0] < final:
+        points.append([final, wall_s, per_step * final, summary["val_loss"]])
+    return points
+
+
+def summarize(run: Path, launched: float, wall_s: float) -> dict:
+    """One run's figures from its ``summary.json`` and ``metrics.jsonl``."""
     s = json.loads((run / "summary.json").read_text())
-    out = {"tokens_per_s": s["tokens_per_s"], "val_loss": s["val_loss"], "train_wall_s": s["wall_s"],
-           "process_wall_s": wall_s, "comm_bytes_per_step": s["comm_bytes_per_step"]}  # fmt: skip
+    out = {"val_loss": s["val_loss"], "steps": s["final_step"], "tokens_per_s": s["tokens_per_s"],
+           "train_wall_s": s["wall_s"], "process_wall_s": wall_s, "comm_bytes_per_step": s["comm_bytes_per_step"],
+           "curve": curve(run, launched, s, wall_s)}  # fmt: skip
     if "staleness_applied" in s:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         rounds: dict[str, int] = {}
         for r in records:
-            rounds[str(r["worker"])] = rounds.get(str(r["worker"]), 0) + 1
+            if "worker" in r:
+                rounds[str(r["worker"])] = rounds.get(str(r["worker"]), 0) + 1
         out.update({"staleness_applied": s["staleness_applied"], "staleness_rejected": s["staleness_rejected"],
                     "outer_steps": s["outer_steps"], "rounds_per_worker": rounds})  # fmt: skip
     return out
 
 
+def time_to(points: list[list[float]], target: float) -> float | None:
+    """Seconds since launch of the first evaluation at or below ``target``; None if never."""
+    return next((t for _, t, _, loss in points if loss <= target), None)
+
+
 def with_ratios(result: dict) -> dict:
-    """``result`` (name → figures) with each run's tokens/s and val loss over ``sync``'s."""
+    """``result`` (name → figures) with each run's figures against ``sync``'s: tokens/s, final
+    validation loss, bytes (sync's over this run's) and the seconds until sync's final
+    validation loss was reached (``time_to_sync_loss_s``, None if never, and its ratio)."""
     sync = result["sync"]
+    target = sync["val_loss"]
+    sync_time = time_to(sync["curve"], target)
     for r in result.values():
         r["tokens_per_s_vs_sync"] = r["tokens_per_s"] / sync["tokens_per_s"]
-        r["val_loss_vs_sync"] = r["val_loss"] / sync["val_loss"]
+        r["val_loss_vs_sync"] = r["val_loss"] / target
+        r["bytes_ratio_sync_over_this"] = sync["comm_bytes_per_step"] / max(r["comm_bytes_per_step"], 1.0)
+        r["time_to_sync_loss_s"] = time_to(r["curve"], target)
+        reached = r["time_to_sync_loss_s"]
+        r["time_to_sync_loss_vs_sync"] = None if reached is None else reached / sync_time
     return result
-
-
-def measure_throttled(plan: dict, work: Path) -> dict:
-    """Part ``throttled``: every run of :func:`runs`, with ratios against ``sync``."""
-    try:
-        result = {name: summarize(*train(work, name, nproc, extra)) for name, (nproc, extra) in runs(plan).items()}
-    finally:
-        sweep_stale()  # a run killed while throttled leaves its cgroup behind
-    return {"rank_speeds": {"fast": FAST, "slow": SLOW, "server": SERVER}, "steps": plan["steps"],
-            "configs": {k: {"nproc": n, "args": a} for k, (n, a) in runs(plan).items()},
-            "runs": with_ratios(result)}  # fmt: skip
 
 
 def measure_link(plan: dict, work: Path) -> dict:
@@ -161,22 +211,52 @@ def measure_link(plan: dict, work: Path) -> dict:
     spec = ClusterSpec(hosts=2, procs_per_host=2, inter_rate=LINK_RATE, name="bad")
     result = {}
     with emulated_cluster(spec, state_dir=work / "clusters") as cluster:
-        for name, extra in link_runs(plan).items():
+        for name, run in link_runs(plan).items():
             before = sum(sum(cluster.link_bytes(h)) for h in range(2))
-            figures = summarize(*train(work, f"link_{name}", 4, extra, cluster=spec.name))
+            figures = summarize(*train(work, f"link_{name}", run, plan, cluster=spec.name))
             crossed = sum(sum(cluster.link_bytes(h)) for h in range(2)) - before
-            result[name] = {**figures, "link_bytes_per_step": crossed / plan["link_steps"]}
-    return {"hosts": 2, "procs_per_host": 2, "inter_rate": LINK_RATE, "steps": plan["link_steps"],
+            result[name] = {**figures, "link_bytes_per_step": crossed / figures["steps"]}
+    return {"hosts": 2, "procs_per_host": 2, "inter_rate": LINK_RATE, "steps": plan["steps"],
             "configs": link_runs(plan), "runs": with_ratios(result)}  # fmt: skip
 
 
-def diloco_ratios(runs_: dict) -> dict[str, float]:
-    """Issue #16's two headline figures from the link part: ``diloco_val_loss_ratio`` (DiLoCo's
-    final validation loss over sync DP's) and ``diloco_bytes_ratio`` (sync DP's bytes per step
-    over DiLoCo's, as the gradient hooks count them)."""
-    sync, diloco = runs_["sync"], runs_["diloco"]
-    return {"diloco_val_loss_ratio": diloco["val_loss"] / sync["val_loss"],
-            "diloco_bytes_ratio": sync["comm_bytes_per_step"] / diloco["comm_bytes_per_step"]}  # fmt: skip
+def measure_throttled(plan: dict, work: Path) -> dict:
+    """Part ``throttled``: every run of :func:`throttled_runs`, with ratios against ``sync``."""
+    try:
+        result = {name: summarize(*train(work, name, run, plan)) for name, run in throttled_runs(plan).items()}
+    finally:
+        sweep_stale()  # a run killed while throttled leaves its cgroup behind
+    return {"rank_speeds": {"fast": FAST, "slow": SLOW, "server": SERVER}, "steps": plan["steps"],
+            "configs": throttled_runs(plan), "runs": with_ratios(result)}  # fmt: skip
+
+
+def fastest_to_sync_loss(runs_: dict, names: tuple[str, ...]) -> tuple[str | None, float | None]:
+    """Of ``names``, the run that reached sync DP's final loss soonest and its time over sync's."""
+    reached = [
+        (r["time_to_sync_loss_vs_sync"], n) for n, r in runs_.items() if n in names and r["time_to_sync_loss_vs_sync"]
+    ]
+    return (min(reached)[1], min(reached)[0]) if reached else (None, None)
+
+
+def headline(result: dict) -> dict:
+    """Issue #16's figures: ``diloco_val_loss_ratio`` (DiLoCo's final validation loss over sync
+    DP's, equal steps, link part), ``diloco_bytes_ratio`` (sync DP's bytes per step over
+    DiLoCo's), the same for 8-bit DiLoCo, and the time ratios to sync DP's final loss: the
+    fastest sync-family run over the link, async (equal or double tokens) with the slow rank."""
+    out = {}
+    if "link" in result:
+        link = result["link"]["runs"]
+        for name in ("diloco", "diloco_int8"):
+            out[f"{name}_val_loss_ratio"] = link[name]["val_loss_vs_sync"]
+            out[f"{name}_bytes_ratio"] = link[name]["bytes_ratio_sync_over_this"]
+        out["link_fastest_to_sync_loss"], out["link_sync_loss_time_ratio"] = fastest_to_sync_loss(link, SYNC_FAMILY)
+    if "throttled" in result:
+        runs_ = result["throttled"]["runs"]
+        out["throttled_async_to_sync_loss"], out["throttled_async_sync_loss_time_ratio"] = fastest_to_sync_loss(
+            runs_, ("async", "async_long")
+        )
+        out["throttled_balanced_sync_loss_time_ratio"] = runs_["sync_balanced"]["time_to_sync_loss_vs_sync"]
+    return out
 
 
 def machine() -> dict:
@@ -186,53 +266,93 @@ def machine() -> dict:
             "python": platform.python_version(), "load_average_at_start": os.getloadavg()}  # fmt: skip
 
 
+def plot(result: dict, path: Path) -> None:
+    """Validation loss against wall seconds (each part) and against bytes per rank (link), sync
+    DP's final loss dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(p, x) for p, xs in (("link", (1, 2)), ("throttled", (1,))) if p in result for x in xs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (part, x) in zip(axes[0], panels, strict=True):
+        runs_ = result[part]["runs"]
+        for name, r in runs_.items():
+            points = [p for p in r["curve"] if x == 1 or p[2] > 0]  # log axis: no zero bytes
+            ax.plot([p[x] for p in points], [p[3] for p in points], marker=".", label=name)
+        ax.axhline(runs_["sync"]["val_loss"], color="grey", linestyle="--", linewidth=1)
+        ax.set_ylabel("validation loss (nats/token)")
+        if x == 2:
+            ax.set_xscale("log")
+        ax.set_xlabel("bytes sent per rank over dp" if x == 2 else "wall seconds since launch")
+        where = f"{LINK_RATE} link, 2 hosts × 2" if part == "link" else f"ranks at {FAST}, {FAST}, {SLOW} of a core"
+        ax.set_title(f"{part}: {where}", fontsize=9)
+        ax.set_ylim(top=min(1.4 * runs_["sync"]["val_loss"], ax.get_ylim()[1]))  # the early, high losses cut
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def print_table(part: str, result: dict) -> None:
-    print(f"{part}:\n{'run':<20} {'tokens/s':>10} {'vs sync':>8} {'val loss':>9} {'vs sync':>8} {'bytes/step':>11}")
+    print(f"{part}:\n{'run':<17} {'val loss':>8} {'vs sync':>7} {'to sync loss s':>14} {'vs sync':>7} "
+          f"{'tokens/s':>9} {'bytes/step':>11} {'sync/this':>9}")  # fmt: skip
     for name, r in result["runs"].items():
-        print(f"{name:<20} {r['tokens_per_s']:>10.0f} {r['tokens_per_s_vs_sync']:>8.3f} {r['val_loss']:>9.4f} "
-              f"{r['val_loss_vs_sync']:>8.3f} {r['comm_bytes_per_step']:>11.0f}")  # fmt: skip
+        reached, ratio = r["time_to_sync_loss_s"], r["time_to_sync_loss_vs_sync"]
+        print(f"{name:<17} {r['val_loss']:>8.4f} {r['val_loss_vs_sync']:>7.3f} "
+              f"{'never' if reached is None else f'{reached:.0f}':>14} {'-' if ratio is None else f'{ratio:.3f}':>7} "
+              f"{r['tokens_per_s']:>9.0f} {r['comm_bytes_per_step']:>11.0f} "
+              f"{r['bytes_ratio_sync_over_this']:>9.1f}")  # fmt: skip
     for name, r in result["runs"].items():
         if "rounds_per_worker" in r:
             print(f"{name}: rounds per worker {r['rounds_per_worker']}, staleness applied {r['staleness_applied']}, "
                   f"rejected {r['staleness_rejected']}")  # fmt: skip
-    name = "async_staleness16" if part == "throttled" else "async"
-    print(f"{part}: {name} tokens/s over sync: {result['runs'][name]['tokens_per_s_vs_sync']:.3f}")
+
+
+def print_headline(figures: dict) -> None:
+    """The headline figures, DiLoCo's bytes ratio last."""
+    for key in ("throttled_async_sync_loss_time_ratio", "throttled_balanced_sync_loss_time_ratio",
+                "link_sync_loss_time_ratio", "diloco_int8_val_loss_ratio", "diloco_int8_bytes_ratio",
+                "diloco_val_loss_ratio", "diloco_bytes_ratio"):  # fmt: skip
+        if key in figures:
+            value = figures[key]
+            print(f"{key}: {'not reached' if value is None else f'{value:.3f}'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["throttled", "link", "all"], default="all")
+    parser.add_argument("--part", choices=["link", "throttled", "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="a few steps each: a smoke test, not a measurement")
     parser.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/async_dp.json)")
     args = parser.parse_args()
-    parts = ["throttled", "link"] if args.part == "all" else [args.part]
+    parts = ["link", "throttled"] if args.part == "all" else [args.part]
     for reason in (throttle_requirements() if "throttled" in parts else None,
                    missing_requirements() if "link" in parts else None):  # fmt: skip
         if reason is not None:
             sys.exit(f"error: {reason}")
     plan = QUICK if args.quick else FULL
     out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "async_dp.json"
-    result = json.loads(out.read_text()) if out.exists() else {}
-    result.update({"model": MODEL, "common": COMMON, "plan": plan})
+    kept = json.loads(out.read_text()) if out.exists() else {}
+    result = {part: kept[part] for part in ("link", "throttled") if part in kept and kept.get("plan") == plan}
+    result.update({"config": str(CONFIG.relative_to(ROOT)), "common": COMMON, "plan": plan})
     work = Path(tempfile.mkdtemp(prefix="bench_async_dp_"))
     try:
         for part in parts:
             start, host = time.perf_counter(), machine()
             date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-            measured = measure_throttled(plan, work) if part == "throttled" else measure_link(plan, work)
+            measured = measure_link(plan, work) if part == "link" else measure_throttled(plan, work)
             result[part] = {"machine": host, "date": date, "wall_s": time.perf_counter() - start, **measured}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if "link" in result:
-        result.update(diloco_ratios(result["link"]["runs"]))
+    result.update(headline(result))
     out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png") if args.quick else PLOT)
     print(f"wrote {out}")
-    for part in ("throttled", "link"):
+    for part in ("link", "throttled"):
         if part in result:
             print_table(part, result[part])
-    if "link" in result:
-        print(f"link: diloco val loss / sync: {result['diloco_val_loss_ratio']:.3f}")
-        print(f"link: sync bytes / diloco bytes: {result['diloco_bytes_ratio']:.1f}")
+    print_headline(result)
 
 
 if __name__ == "__main__":

@@ -991,21 +991,18 @@ class Config(_Section):
     @model_validator(mode="after")
     def _local_modes_compose(self) -> Config:
         """``data_parallel.mode`` local_sgd/diloco/streaming_diloco run on data parallelism with
-        Megatron tensor parallelism inside each replica, local_sgd and fp32 diloco also with
-        pipeline parallelism (the outer sync averages each rank's shards or stage over its dp
-        group), and all three with replicas of ``dp_shard`` ranks (``data_parallel_replicate_degree``
-        > 1: plain DP or ZeRO inside a replica, the outer step over ``dp_replicate``); nothing else
-        sharded, split or compressed inside a replica, for now. ``async`` on plain data
-        parallelism only."""
+        Megatron tensor parallelism or pipeline parallelism inside each replica (the outer sync
+        averages each rank's shards or stage over its dp group; streaming's fragments are cut
+        from the whole model's blocks, each stage syncing its part), and all three with replicas
+        of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
+        replica, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
+        inside a replica, for now. ``async`` on plain data parallelism only."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
         inner_tp = 1 if mode == "async" else p.tensor_parallel_degree
-        # Streaming's fragments (and DiLoCo's quantized path, which is streaming with one) are cut
-        # from the whole model's blocks, not a pipeline stage's: pp only with whole-model syncs.
-        whole = mode in ("local_sgd", "diloco") and self.data_parallel.outer_grad_dtype == "fp32"
-        inner_pp = p.pipeline_parallel_degree if whole else 1
+        inner_pp = p.pipeline_parallel_degree if mode != "async" else 1
         replicas = p.data_parallel_replicate_degree if mode != "async" else 1
         # ZeRO's masters inside a replica: of whole parameters (1D tp's would need ZeRO's tp mesh
         # without the replicate axis).
@@ -1016,9 +1013,9 @@ class Config(_Section):
             ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, replicas),
             ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, inner_pp),
             ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, inner_tp),
-            # Megatron SP's norm gradients are partial per tp rank, and 2D tp's replicated ones too:
-            # their reduction is the gradient synchronizer's, which the local modes switch off.
-            ("parallel.tp_mode", p.tp_mode, "tensor_parallel"),
+            # Megatron SP's norm weights get their sum over tp from a gradient hook of their own
+            # (tensor_parallel.all_reduce_grad_hook), which LocalOnlyHook leaves alone; 2D tp not tried.
+            ("parallel.tp_mode", p.tp_mode, p.tp_mode if p.tp_mode != "2d" and mode != "async" else "tensor_parallel"),
             ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
             ("compression.method", self.compression.method, "none"),
             ("balance.data", b.data, False),
@@ -1029,14 +1026,8 @@ class Config(_Section):
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
                     "by Megatron tp, over dp_shard ranks with plain DP or ZeRO (parallel.data_parallel_replicate_degree"
-                    " > 1, without tp), or for local_sgd and fp32 diloco by a pipeline, but not otherwise sharded or "
-                    f"compressed); set {name}={needed!r}"
-                    + (
-                        ", data_parallel.outer_grad_dtype='fp32'"
-                        if name.endswith("pipeline_parallel_degree") and mode == "diloco"
-                        else ""
-                    )
-                    + " or data_parallel.mode='sync'"
+                    " > 1, without tp), or by a pipeline, but not otherwise sharded or compressed; async replicas "
+                    f"are single ranks); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
         if mode == "async" and self.simulate.speed_change:
             raise ValueError(

@@ -165,7 +165,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t)
         self.sync.attach_optimizer(self.optimizer)
         self.outer = build_outer_sync(dp_cfg, self.model, self.optimizer, outer_group(dp_cfg, self.dims), hook,
-                                      self.sync.after_step)  # fmt: skip
+                                      self.sync.after_step, cfg.model.n_layers)  # fmt: skip
         # async: each round reads its own batches (async_dp); this loader only carries the checkpoint's position.
         dp_rank, dp = (0, 1) if cfg.data_parallel.mode == "async" else (self.dims.dp_rank, self.dims.dp)
         self.loader = DistributedBatchLoader(

@@ -43,6 +43,9 @@ STEPS, RTOL = 7, 1e-6
 # Streaming DiLoCo whose outer gradients sum the same in any layout: bf16 rounds each element
 # alone (int8's scales span a chunk of the rows a rank holds).
 STREAMING = ["--data_parallel.fragments=2", "--data_parallel.overlap_steps=1", "--data_parallel.outer_grad_dtype=bf16"]
+# 3 fragments of test_pipeline's 8 blocks (0-2, 3-5, 6-7): a pp 2 stage (blocks 0-3 or 4-7) holds
+# one fragment whole, part of another and none of the third.
+STREAMING_F3 = ["--data_parallel.fragments=3", *STREAMING[1:]]
 INT8 = ["--data_parallel.outer_grad_dtype=int8"]
 
 
@@ -386,10 +389,7 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
     ("overrides", "field"),
     [
         (["--data_parallel.zero_stage=1"], "data_parallel.zero_stage=1"),
-        (
-            ["--parallel.tensor_parallel_degree=2", "--parallel.tp_mode=sequence_parallel"],
-            "parallel.tp_mode='sequence_parallel'",
-        ),
+        (["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"], "parallel.tp_mode='2d'"),
         (["--parallel.sequence_parallel_degree=2"], "parallel.sequence_parallel_degree=2"),
         (["--compression.method=int8"], "compression.method='int8'"),
         (["--balance.data=true"], "balance.data=True"),
@@ -397,11 +397,11 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
 )
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     """Catches: a local mode accepted with ZeRO when every dp rank is a replica (nothing to
-    shard over), Megatron SP, Ulysses sp, compression or data balancing, which would run with a
-    gradient synchronizer or replica layout the outer sync ignores (SP's norm gradients are
-    partial per tp rank and the local modes skip their sum); ZeRO with tp inside replicas, or
-    async with replicas of several ranks, neither of them built; or replicas of dp_shard ranks
-    with ZeRO (also streaming's) refused where they compose."""
+    shard over), 2D tp (never tried with them), Ulysses sp, compression or data balancing, which
+    would run with a gradient synchronizer or replica layout the outer sync ignores; ZeRO with
+    tp inside replicas, or async with replicas of several ranks or a pipeline, none of them
+    built; or replicas of dp_shard ranks with ZeRO (also streaming's), or streaming and
+    quantized DiLoCo on pipelines, refused where they compose."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
     replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
@@ -413,11 +413,12 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
         load_config(None, ["--data_parallel.mode=async", replicas[0]])
     with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=2"):
         load_config(None, ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"])
-    # Streaming's fragments are cut from the whole model's blocks: a stage may hold none of one.
     for mode in (["--data_parallel.mode=streaming_diloco"],
                  ["--data_parallel.mode=diloco", "--data_parallel.outer_grad_dtype=int8"]):  # fmt: skip
-        with pytest.raises(ConfigError, match="with parallel.pipeline_parallel_degree=2 is not supported yet"):
-            load_config(None, [*mode, "--parallel.pipeline_parallel_degree=2"])
+        pp2 = load_config(None, [*mode, "--parallel.pipeline_parallel_degree=2"])  # each stage syncs its part
+        assert pp2.parallel.pipeline_parallel_degree == 2
+    with pytest.raises(ConfigError, match="with parallel.pipeline_parallel_degree=2 is not supported yet"):
+        load_config(None, ["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"])
 
 
 def test_mode_defaults_and_misplaced_settings():
@@ -582,7 +583,7 @@ def train_local_tp(
     pm = parallelize_llama(model, dims, cfg, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     pm.sync.attach_optimizer(optimizer)
-    outer = build_outer_sync(dp, model, optimizer, outer_group(dp, dims), hook, pm.sync.after_step)
+    outer = build_outer_sync(dp, model, optimizer, outer_group(dp, dims), hook, pm.sync.after_step, cfg.model.n_layers)
     t = cfg.training
     for step in range(STEPS):
         mine = batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
@@ -602,11 +603,14 @@ def zero(stage: int) -> list[str]:
 
 def local_tp_cases() -> dict:
     tp2, pp2 = ["--parallel.tensor_parallel_degree=2"], ["--parallel.pipeline_parallel_degree=2"]
+    sp = ["--parallel.tp_mode=sequence_parallel"]  # Megatron SP on the tp ranks
     r2 = ["--parallel.data_parallel_replicate_degree=2"]  # 2 replicas of 2 dp_shard ranks
     return run_checks({
         "sync_pp2": lambda: train_local_tp("sync", pp2),
         "local_sgd_pp2": lambda: train_local_tp("local_sgd", pp2),
         "sync_tp2": lambda: train_local_tp("sync", tp2),
+        "sync_tp2_sp": lambda: train_local_tp("sync", [*tp2, *sp]),
+        "local_sgd_tp2_sp": lambda: train_local_tp("local_sgd", [*tp2, *sp]),
         "local_sgd_tp2": lambda: train_local_tp("local_sgd", tp2),
         "diloco_tp2": lambda: train_local_tp("diloco", [*tp2, "--data_parallel.outer_lr=1",
                                                         "--data_parallel.outer_momentum=0"]),
@@ -622,6 +626,8 @@ def local_tp_cases() -> dict:
         "streaming_h2_r2_zero1": lambda: train_local_tp("streaming_diloco", [*r2, *zero(1), *STREAMING], 2, True),
         "streaming_h2_r2_zero3": lambda: train_local_tp("streaming_diloco", [*r2, *zero(3), *STREAMING], 2, True),
         "diloco_int8_h2_r2_zero3": lambda: train_local_tp("diloco", [*r2, *zero(3), *INT8], 2, True),
+        "streaming_f3_h3_r2": lambda: train_local_tp("streaming_diloco", [*r2, *STREAMING_F3], 3, True),
+        "streaming_f3_h3_pp2": lambda: train_local_tp("streaming_diloco", [*pp2, *STREAMING_F3], 3, True),
     })  # fmt: skip
 
 
@@ -631,7 +637,9 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
     world), a shard or stage missing from the outer step, or a replica's parts diverging: at
     tp 2 × dp 2 and pp 2 × dp 2 (4 processes), local SGD with H = 1 and DiLoCo with outer lr 1,
     no momentum (both exactly an average of the replicas after each step) must equal synchronous
-    training of the same layout with SGD + momentum (1e-5 relative). Also with 2 replicas of 2
+    training of the same layout with SGD + momentum (1e-5 relative); local SGD also with Megatron
+    SP on the tp ranks (catches its norm weights' sum over tp lost: the replicas' norm weights
+    would move by one tp rank's sequence slice alone). Also with 2 replicas of 2
     dp_shard ranks each (plain DP, ZeRO-1, ZeRO-3 inside a replica) against sync dp 4: catches
     the inner gradient averaged over the whole dp group (or not at all), the outer step summing
     different rows of ZeRO's masters (over dp_shard instead of dp_replicate), or ZeRO's full
@@ -642,7 +650,7 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
     assert params.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"local_sgd_pp2: {key}")
-    for reference, names in (("sync_tp2", ("local_sgd_tp2", "diloco_tp2")),
+    for reference, names in (("sync_tp2", ("local_sgd_tp2", "diloco_tp2")), ("sync_tp2_sp", ("local_sgd_tp2_sp",)),
                              ("sync_dp4", ("local_sgd_r2", "local_sgd_r2_zero1", "diloco_r2_zero3"))):  # fmt: skip
         want = check_result(got, reference)
         for name in names:
@@ -685,3 +693,20 @@ def test_int8_outer_gradients_of_zero_sharded_replicas_stay_close_to_one_rank_re
     error = {name: max((run[k] - fp32[k]).abs().max().item() for k in fp32)
              for name, run in (("one_rank", one_rank), ("sharded", sharded))}  # fmt: skip
     assert 0 < error["sharded"] <= 2 * error["one_rank"], error
+
+
+def test_streaming_diloco_with_pipeline_replicas_equals_whole_model_replicas():
+    """Catches: streaming DiLoCo on pipeline stages cutting fragments from the stage's own
+    blocks (each stage would count other fragments and sync them at other steps; before, a
+    stage holding none of a fragment crashed on its missing span), a stage's part of a fragment
+    left out of that fragment's outer step, or the sync averaging across stages. 3 fragments of
+    8 blocks (0-2, 3-5, 6-7), H = 3, overlap 1, bf16 outer gradients: 2 replicas that are each a
+    pp 2 pipeline (4 processes; every stage holds one fragment whole, part of one and none of
+    one) must equal 2 replicas that are each 2 plain-DP ranks of the whole model, the same
+    samples per replica (SGD + momentum, an evaluation inside ``global_weights`` after each step),
+    within 1e-5 relative: bf16 rounds each element alone, so the split cannot change a sum."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    want, params = check_result(got, "streaming_f3_h3_r2"), check_result(got, "streaming_f3_h3_pp2")
+    assert params.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"streaming pp2: {key}")

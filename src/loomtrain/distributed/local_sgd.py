@@ -27,7 +27,8 @@ Streaming DiLoCo (:class:`StreamingOuterSync`): Douillard et al., "Streaming DiL
 overlapping communication: Towards a Distributed Free Lunch" (arXiv:2501.18512, 2025). DiLoCo's
 outer step, taken on one fragment of the model at a time (§2.2, streaming partial updates): the
 model's transformer blocks are split into F runs of consecutive blocks (the paper's "sequential"
-pattern, Fig. 2; its "strided" one is not offered) and fragment f's outer step starts every H
+pattern, Fig. 2; its "strided" one is not offered; under pipeline parallelism each stage takes
+its part of each fragment) and fragment f's outer step starts every H
 inner steps at an offset of f·H/F steps, so one starts every H/F steps and each sends about 1/F
 of the model. Its all-reduce overlaps the next τ inner steps (§2.3-2.4; Table 1 lets it take one
 step) and lands as ``θ_local ← α·θ_local + (1−α)·θ_global`` on that fragment (α = 0.5, Fig. 8
@@ -318,20 +319,22 @@ def count_blocks(names: list[str]) -> int:
     return 1 + max((int(m.group(1)) for name in names if (m := _BLOCK.search(name))), default=-1)
 
 
-def block_fragments(names: list[str], fragments: int) -> list[int]:
+def block_fragments(names: list[str], fragments: int, n_blocks: int | None = None) -> list[int]:
     """The fragment (0..F−1) of each parameter named in ``names`` (``model.named_parameters()``
-    order), F = ``fragments``. The model's B transformer blocks (parameters named
-    ``…layers.<i>.…``) form F runs of consecutive blocks, block i in fragment ⌊i·F/B⌋ (sizes
-    differ by at most one: 24 blocks, F = 8 gives the paper's 3 blocks per fragment); a parameter
-    outside the blocks joins the fragment of the block before it (the embedding, before every
-    block, fragment 0; the final norm and output head fragment F−1; a model without blocks is
-    one fragment). Each fragment is then one contiguous run of the flat parameters.
+    order), F = ``fragments``. The model's B = ``n_blocks`` transformer blocks (parameters named
+    ``…layers.<i>.…``; unset: counted from ``names``) form F runs of consecutive blocks, block i
+    in fragment ⌊i·F/B⌋ (sizes differ by at most one: 24 blocks, F = 8 gives the paper's 3 blocks
+    per fragment); a parameter outside the blocks joins the fragment of the block before it (the
+    embedding, before every block, fragment 0; the final norm and output head fragment F−1; a
+    model without blocks is one fragment). Each fragment is then one contiguous run of the flat
+    parameters. A pipeline stage's ``names`` hold only its blocks (with their model-wide
+    indices ``i``), so it may hold parts of some fragments and none of others.
 
     Raises:
         ValueError: fewer blocks than ``fragments``, or blocks out of order in ``names``.
     """
     blocks = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
-    n_blocks = count_blocks(names)
+    n_blocks = count_blocks(names) if n_blocks is None else n_blocks
     if fragments > max(n_blocks, 1):
         raise ValueError(
             f"data_parallel.fragments={fragments} is more than the model's {n_blocks} transformer blocks "
@@ -346,12 +349,13 @@ def block_fragments(names: list[str], fragments: int) -> list[int]:
     return out
 
 
-def fragment_spans(fragment_of: list[int], numels: list[int]) -> list[tuple[slice, slice]]:
-    """For each fragment (ids in ``fragment_of``, non-decreasing, one per parameter of
-    ``numels`` elements): its parameters (a slice of the parameter list) and its elements (a
-    slice of the flat fp32 parameters)."""
+def fragment_spans(fragment_of: list[int], numels: list[int], fragments: int) -> list[tuple[slice, slice]]:
+    """For each of the ``fragments`` fragments (ids in ``fragment_of``, non-decreasing, one per
+    parameter of ``numels`` elements): its parameters (a slice of the parameter list) and its
+    elements (a slice of the flat fp32 parameters); both empty for a fragment this rank holds
+    none of (a pipeline stage)."""
     spans, first, offset = [], 0, 0
-    for f in range(fragment_of[-1] + 1):
+    for f in range(fragments):
         last = first + fragment_of.count(f)
         size = sum(numels[first:last])
         spans.append((slice(first, last), slice(offset, offset + size)))
@@ -421,7 +425,11 @@ class StreamingOuterSync(OuterSync):
     """Streaming DiLoCo's outer loop over one dp ``group`` (module docstring; settings from
     ``cfg``: ``inner_steps`` H, ``fragments`` F, ``overlap_steps`` τ, ``mixing_alpha`` α,
     ``outer_grad_dtype``, the outer SGD's). ``named``: the trainable ``(name, parameter)`` pairs
-    in ``model.named_parameters()`` order, split by :func:`block_fragments`.
+    in ``model.named_parameters()`` order, split by :func:`block_fragments`; ``n_blocks``: the
+    whole model's transformer blocks (unset: counted from ``named``, which must then hold them
+    all). On a pipeline stage ``named`` is the stage's and ``group`` its dp group (the same
+    stage of every replica): a fragment's outer step there covers the stage's part of it, and a
+    fragment the stage holds none of is a step without communication.
 
     After inner step t (counted from the start), fragment f = the one whose offset ``f·H//F``
     is ``t mod H`` starts: its outer gradient ``θ_global,f − θ_local,f`` is all-reduced with
@@ -447,16 +455,18 @@ class StreamingOuterSync(OuterSync):
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], inner_optimizer: torch.optim.Optimizer,
                  group: dist.ProcessGroup, cfg: DataParallelConfig, hook: CommHook | None = None,
-                 written: Callable[[], None] = lambda: None):  # fmt: skip
+                 written: Callable[[], None] = lambda: None, n_blocks: int | None = None):  # fmt: skip
         names, params = [name for name, _ in named], [p for _, p in named]
         h = cfg.resolved_inner_steps
-        fragments = max(1, cfg.resolved_fragments(count_blocks(names)))  # a model without blocks: one fragment
+        n_blocks = count_blocks(names) if n_blocks is None else n_blocks
+        fragments = max(1, cfg.resolved_fragments(n_blocks))  # a model without blocks: one fragment
         if fragments > h:
             raise ValueError(
                 f"data_parallel.fragments={fragments} is more than data_parallel.inner_steps={h}: the fragments sync "
                 "at distinct steps of each period; lower fragments or raise inner_steps"
             )
-        self.spans = fragment_spans(block_fragments(names, fragments), [held(p).numel() for p in params])
+        fragment_of = block_fragments(names, fragments, n_blocks)
+        self.spans = fragment_spans(fragment_of, [held(p).numel() for p in params], fragments)
         self.offsets = {f * h // fragments: f for f in range(fragments)}
         self.overlap_steps, self.mixing_alpha, self.outer_grad_dtype = (
             cfg.overlap_steps, cfg.mixing_alpha, cfg.outer_grad_dtype,
@@ -512,10 +522,12 @@ class StreamingOuterSync(OuterSync):
         """Start the all-reduce of ``fragment``'s outer gradient ``θ_global,f − θ_local,f``.
         Counts its bytes in :attr:`hook` (``dense_bytes``: the fp32 all-reduce's)."""
         params, elements = self.spans[fragment]
+        apply_at = self.inner_done + self.overlap_steps
+        if elements.start == elements.stop:  # none of it on this pipeline stage (nor its dp group's: the same)
+            return InFlight(fragment, apply_at, None, None, self.global_flat[elements].clone())
         delta = self.global_flat[elements] - flatten(self.params[params])
         n = dist.get_world_size(self.group)
         self.hook.dense_bytes += all_reduce_bytes(4 * delta.numel(), n)
-        apply_at = self.inner_done + self.overlap_steps
         if self.outer_grad_dtype == "fp32":
             self.hook.bytes_sent += all_reduce_bytes(4 * delta.numel(), n)
             work = dist.all_reduce(delta, group=self.group, async_op=True)
@@ -544,8 +556,9 @@ class StreamingOuterSync(OuterSync):
         view.grad = total.div_(dist.get_world_size(self.group))
         self.outer_optimizer.step()
         view.grad = None
-        target = torch.lerp(view, flatten(self.params[params]), self.mixing_alpha) if mix else view
-        write_flat(target, self.params[params])
+        if view.numel():
+            target = torch.lerp(view, flatten(self.params[params]), self.mixing_alpha) if mix else view
+            write_flat(target, self.params[params])
         self.written()
         self.outer_steps += 1
 
@@ -572,14 +585,15 @@ class StreamingOuterSync(OuterSync):
 
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                      group: dist.ProcessGroup, hook: CommHook,
-                     written: Callable[[], None] = lambda: None) -> Any:  # fmt: skip
+                     written: Callable[[], None] = lambda: None, n_blocks: int | None = None) -> Any:  # fmt: skip
     """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
     :class:`StreamingOuterSync` for ``streaming_diloco``, and with one fragment and no overlap for
     ``diloco`` with a 16- or 8-bit ``outer_grad_dtype``; the state of the asynchronous mode,
     :class:`~loomtrain.distributed.async_dp.AsyncOuter`, for ``async``),
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
     synchronizer's). ``group``: :func:`outer_group`; ``written``: the gradient synchronizer's
-    ``after_step`` (see :class:`OuterSync`). A collective."""
+    ``after_step`` (see :class:`OuterSync`); ``n_blocks``: the whole model's transformer blocks
+    (streaming's fragments; needed where ``model`` is one pipeline stage). A collective."""
     if cfg.mode == "sync":
         return None
     if cfg.mode == "async":
@@ -593,7 +607,7 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
         cfg = cfg.model_copy(update={"fragments": 1, "overlap_steps": 0})
     if cfg.mode == "streaming_diloco" or cfg.outer_grad_dtype != "fp32":
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        return StreamingOuterSync(named, inner_optimizer, group, cfg, hook, written)
+        return StreamingOuterSync(named, inner_optimizer, group, cfg, hook, written, n_blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     return OuterSync(params, inner_optimizer, group, cfg.mode, cfg.resolved_inner_steps, cfg.outer_lr,
                      cfg.outer_momentum, cfg.outer_nesterov, hook, written)  # fmt: skip
