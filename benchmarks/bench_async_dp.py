@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -151,12 +152,11 @@ def train(work: Path, name: str, spec: dict, plan: dict, cluster: str | None = N
     return work / name, launched, wall
 
 
-def curve(run: Path, launched: float, summary: dict, wall_s: float) -> list[list[float]]:
+def curve(records: list[dict], launched: float, summary: dict, wall_s: float) -> list[list[float]]:
     """``[step, seconds since launch, bytes sent per rank so far, validation loss]`` at every
     evaluation, the final one included (async's final evaluation is not in ``metrics.jsonl``: its
     time is the process's end). Bytes: ``comm_bytes_dp`` (the mean over ranks per step so far)
-    × steps; async records carry none, so its run mean is used."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    × steps; async records carry none, so its run mean is used. ``records``: ``metrics.jsonl``'s."""
     per_step = summary["comm_bytes_per_step"]
     points = [[r["step"], r["time"] - launched, r.get("comm_bytes_dp", per_step) * r["step"], r["val_loss"]]
               for r in records if "val_loss" in r]  # fmt: skip
@@ -169,15 +169,12 @@ def curve(run: Path, launched: float, summary: dict, wall_s: float) -> list[list
 def summarize(run: Path, launched: float, wall_s: float) -> dict:
     """One run's figures from its ``summary.json`` and ``metrics.jsonl``."""
     s = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     out = {"val_loss": s["val_loss"], "steps": s["final_step"], "tokens_per_s": s["tokens_per_s"],
            "train_wall_s": s["wall_s"], "process_wall_s": wall_s, "comm_bytes_per_step": s["comm_bytes_per_step"],
-           "curve": curve(run, launched, s, wall_s)}  # fmt: skip
+           "curve": curve(records, launched, s, wall_s)}  # fmt: skip
     if "staleness_applied" in s:
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        rounds: dict[str, int] = {}
-        for r in records:
-            if "worker" in r:
-                rounds[str(r["worker"])] = rounds.get(str(r["worker"]), 0) + 1
+        rounds = dict(Counter(str(r["worker"]) for r in records if "worker" in r))
         out.update({"staleness_applied": s["staleness_applied"], "staleness_rejected": s["staleness_rejected"],
                     "outer_steps": s["outer_steps"], "rounds_per_worker": rounds})  # fmt: skip
     return out
@@ -242,7 +239,7 @@ def headline(result: dict) -> dict:
     """Issue #16's figures: ``diloco_val_loss_ratio`` (DiLoCo's final validation loss over sync
     DP's, equal steps, link part), ``diloco_bytes_ratio`` (sync DP's bytes per step over
     DiLoCo's), the same for 8-bit DiLoCo, and the time ratios to sync DP's final loss: the
-    fastest sync-family run over the link, async (equal or double tokens) with the slow rank."""
+    fastest sync-family run over the link, async (equal or 3× the tokens) with the slow rank."""
     out = {}
     if "link" in result:
         link = result["link"]["runs"]

@@ -319,10 +319,10 @@ def count_blocks(names: list[str]) -> int:
     return 1 + max((int(m.group(1)) for name in names if (m := _BLOCK.search(name))), default=-1)
 
 
-def block_fragments(names: list[str], fragments: int, n_blocks: int | None = None) -> list[int]:
+def block_fragments(names: list[str], fragments: int, n_blocks: int) -> list[int]:
     """The fragment (0..F−1) of each parameter named in ``names`` (``model.named_parameters()``
     order), F = ``fragments``. The model's B = ``n_blocks`` transformer blocks (parameters named
-    ``…layers.<i>.…``; unset: counted from ``names``) form F runs of consecutive blocks, block i
+    ``…layers.<i>.…``) form F runs of consecutive blocks, block i
     in fragment ⌊i·F/B⌋ (sizes differ by at most one: 24 blocks, F = 8 gives the paper's 3 blocks
     per fragment); a parameter outside the blocks joins the fragment of the block before it (the
     embedding, before every block, fragment 0; the final norm and output head fragment F−1; a
@@ -334,7 +334,6 @@ def block_fragments(names: list[str], fragments: int, n_blocks: int | None = Non
         ValueError: fewer blocks than ``fragments``, or blocks out of order in ``names``.
     """
     blocks = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
-    n_blocks = count_blocks(names) if n_blocks is None else n_blocks
     if fragments > max(n_blocks, 1):
         raise ValueError(
             f"data_parallel.fragments={fragments} is more than the model's {n_blocks} transformer blocks "
