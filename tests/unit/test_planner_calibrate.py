@@ -12,14 +12,33 @@ import pytest
 
 from loomtrain.planner import calibrate as calibrate_module
 from loomtrain.planner.arch import from_model_config
-from loomtrain.planner.calibrate import DISTURBED_MARK, cached_spec_path, disturbance, local_spec, spec_toml
+from loomtrain.planner.calibrate import (
+    CURVE_BYTES,
+    CURVE_OPS,
+    DISTURBED_MARK,
+    cached_spec_path,
+    disturbance,
+    local_spec,
+    spec_toml,
+)
 from loomtrain.planner.cli import cmd_plan
 from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
 from loomtrain.planner.cost import DEVICES, Gemm
 from loomtrain.planner.memory import RECOMPUTE, Layout, device_params, precision_for
 from loomtrain.planner.published import kendall_tau
 from loomtrain.planner.search import search
-from loomtrain.planner.time import DGX_A100, dp_all_reduce_seconds, elementwise_bytes, step_time, zero3_seconds
+from loomtrain.planner.time import (
+    DGX_A100,
+    curve_seconds,
+    dp_all_reduce_seconds,
+    elementwise_bytes,
+    layer_seconds,
+    pipeline_seconds,
+    ring_all_reduce_seconds,
+    ring_gather_seconds,
+    step_time,
+    zero3_seconds,
+)
 
 CPU = {"name": "box", "peak_tflops": 0.1, "memory_gb_per_s": 20, "memory_gib": 8, "element_bytes": 4,
        "gemm_curve": [[1e6, 0.01], [1e8, 0.05], [1e10, 0.1]]}  # fmt: skip
@@ -130,6 +149,10 @@ def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monke
     curve = cluster.device.gemm_curve
     assert len(curve) >= 5 and all(rate > 1e8 for _, rate in curve)
     assert cluster.device.memory_bytes_per_s > 1e8 and cluster.device.element_bytes == 4
+    assert [size for size, _ in cluster.device.memory_curve] == [2**20, 2**22, 2**24]
+    assert {(op, g) for op, g, _ in cluster.collective_curves} == {(op, 2) for op in CURVE_OPS}
+    assert all(len(points) == len(CURVE_BYTES) and min(t for _, t in points) > 0
+               for _, _, points in cluster.collective_curves)  # fmt: skip
     layout = Layout(seq_len=64, micro_batch=2, dp=2, n_micro=3, precision=precision_for("fp32", 0))
     assert 0 < step_time(from_model_config(_model()), layout, cluster).total < 10
     assert cmd_plan(["--calibrate", "--ranks", "3"]) == 2 and "power of two" in capsys.readouterr().err
@@ -139,7 +162,7 @@ def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monke
 def test_a_one_rank_spec_has_no_group_figures_and_loads():
     """Catches: `--parallel.auto` on one process failing because the calibrated spec of one rank (no
     collective to measure) writes empty group lists its own loader refuses."""
-    measured = {"curve": [(1e6, 1e10), (1e9, 5e10)], "bandwidth": 1e10, "collectives": {}}
+    measured = {"curve": [(1e6, 1e10), (1e9, 5e10)], "memory": [(1e6, 2e10), (1.6e7, 1e10)], "collectives": {}}
     cluster = parse_cluster_spec(tomllib.loads(spec_toml(measured, 1)), where="one").to_cluster()
     assert cluster.gpus == 1 and cluster.group_links == () and cluster.device.gemm_rate(1e9) == pytest.approx(5e10)
     two = {**measured, "collectives": {2: (1e9, 1e-4)}}
@@ -153,7 +176,11 @@ def test_a_disturbed_calibration_is_marked_and_not_cached(tmp_path, monkeypatch)
     for more ranks than cores (4 ranks on 2 cores hold half a core each, undisturbed)."""
     assert disturbance(0.97, 2, 2) == "" and disturbance(0.48, 4, 2) == ""
     assert "held 45% of a core" in disturbance(0.45, 2, 2) and disturbance(0.3, 4, 2)
-    measured = {"curve": [(1e6, 1e10), (1e9, 5e10)], "bandwidth": 1e10, "collectives": {2: (1e9, 1e-4)}}
+    measured = {
+        "curve": [(1e6, 1e10), (1e9, 5e10)],
+        "memory": [(1e6, 2e10), (1.6e7, 1e10)],
+        "collectives": {2: (1e9, 1e-4)},
+    }
     quiet, busy = spec_toml({**measured, "cpu_share": 1.0}, 2), spec_toml({**measured, "cpu_share": 0.3}, 2)
     assert not quiet.startswith(DISTURBED_MARK) and busy.startswith(DISTURBED_MARK)
     monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
@@ -212,3 +239,109 @@ def test_kendall_tau():
     assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="one length"):
         kendall_tau([1], [1])
+
+
+def _curves(**seconds_by_op):
+    """``[[hosts.collectives]]`` tables of group size 2 at 64 KiB and 1 MiB: ``op=(t64k, t1m)`` in µs."""
+    return [{"op": op, "group_size": 2, "bytes": [65536, 1048576], "microseconds": list(t)}
+            for op, t in seconds_by_op.items()]  # fmt: skip
+
+
+def test_collective_curves_price_each_op_between_and_beyond_their_sizes():
+    """Catches: a measured curve parsed but not read (the ring formula pricing gloo's 1 MiB all-reduce
+    at 4 ranks at 4 ms where 7 ms was measured), interpolation off between sizes, a small message
+    priced below the smallest measured one's time, or a large one not growing at the last
+    segment's rate."""
+    points = ((65536.0, 1e-3), (1048576.0, 3e-3))
+    assert curve_seconds(points, 1024) == 1e-3 and curve_seconds(points, 65536 + 491520) == pytest.approx(2e-3)
+    assert curve_seconds(points, 1048576 + 983040) == pytest.approx(5e-3)
+    cluster = spec(collectives=_curves(all_reduce=(1000, 3000), all_to_all=(400, 900))).to_cluster()
+    assert cluster.collective_seconds("all_reduce", 1048576, 2, False) == pytest.approx(3e-3)
+    assert cluster.collective_seconds("all_reduce", 1048576, 4, False) == pytest.approx(3e-3)  # largest measured <= 4
+    ring = ring_all_reduce_seconds(1048576, 2, *cluster.link(True, 2))
+    assert cluster.collective_seconds("all_reduce", 1048576, 2, True) == pytest.approx(
+        ring
+    )  # across hosts: the network
+    gather = ring_gather_seconds(1048576, 2, *cluster.link(False, 2))
+    assert cluster.collective_seconds("all_gather", 1048576, 2, False) == pytest.approx(gather)  # no curve: the ring
+    assert cluster.collective_seconds("all_reduce", 1048576, 1, False) == 0.0
+
+
+def test_zero_and_ulysses_are_priced_from_the_collectives_they_run():
+    """Catches: ZeRO's gradient sync priced as one all-reduce when zero.py runs stage 1 as an all-reduce
+    plus an all-gather and stage 2 as a reduce-scatter plus an all-gather (gloo's reduce-scatter here
+    is slower than half an all-reduce), or Ulysses' all-to-alls priced with all-reduce figures (the
+    planner chose sp = 4 at world 4, priced 1.07 s, measured 2.4 s)."""
+    arch = from_model_config(_model())
+    slow = spec(collectives=_curves(all_reduce=(1000, 2000), reduce_scatter=(1000, 4000), all_gather=(500, 1000)))
+    fast = spec(collectives=_curves(all_reduce=(1000, 2000), reduce_scatter=(500, 1000), all_gather=(500, 1000)))
+    zero1 = Layout(seq_len=64, micro_batch=2, dp=2, zero_stage=1, precision=precision_for("fp32", 1))
+    zero2 = replace(zero1, zero_stage=2, precision=precision_for("fp32", 2))
+    params = device_params(arch, zero1)
+    per_layer = params * 4 / arch.n_layers  # one block's fp32 gradients (and parameters), ~0.8 MB
+
+    def at(t64k_us: float, t1m_us: float) -> float:
+        return curve_seconds(((65536.0, t64k_us * 1e-6), (1048576.0, t1m_us * 1e-6)), per_layer)
+
+    for cluster in (slow, fast):  # stage 1: an all-reduce and an all-gather per block, whatever the reduce-scatter
+        expected = arch.n_layers * (at(1000, 2000) + at(500, 1000))
+        assert dp_all_reduce_seconds(arch, zero1, cluster.to_cluster(), params) == pytest.approx(expected)
+    for cluster, scatter in ((slow, at(1000, 4000)), (fast, at(500, 1000))):
+        expected = arch.n_layers * (scatter + at(500, 1000))
+        assert dp_all_reduce_seconds(arch, zero2, cluster.to_cluster(), params) == pytest.approx(expected)
+    sp2 = Layout(seq_len=64, micro_batch=2, sp=2, precision=precision_for("fp32", 0))
+    cheap, dear = (spec(collectives=_curves(all_to_all=t)).to_cluster() for t in ((10, 20), (5000, 9000)))
+    assert layer_seconds(arch, sp2, dear)[2] - layer_seconds(arch, sp2, cheap)[2] == pytest.approx(
+        2 * 4 * (5000 - 10) * 1e-6)  # two passes of four all-to-alls, each below 64 KiB  # fmt: skip
+
+
+def test_collective_tables_are_checked_and_heterogeneous_hosts_take_the_slowest():
+    """Catches: a misspelled op, a group larger than its host, sizes out of order or a missing time
+    accepted silently, and a heterogeneous cluster priced at its fastest host's collectives."""
+    for bad, field in (({"op": "allreduce"}, "op"), ({"group_size": 8}, "group_size"),
+                       ({"bytes": [1048576, 65536]}, "bytes"), ({"microseconds": [1]}, "microseconds"),
+                       ({"seconds": [1, 2]}, "unknown field")):  # fmt: skip
+        with pytest.raises(ClusterSpecError, match=field):
+            spec(collectives=[{**_curves(all_reduce=(1, 2))[0], **bad}])
+    with pytest.raises(ClusterSpecError, match="one table per"):
+        spec(collectives=_curves(all_reduce=(1, 2)) * 2)
+    fast = {**HOST, "collectives": _curves(all_reduce=(100, 200))}
+    slow = {**HOST, "collectives": _curves(all_reduce=(300, 150))}
+    both = parse_cluster_spec({"devices": [CPU], "hosts": [fast, slow], "network": NETWORK}, where="s").to_cluster()
+    assert both.collective_curves == (("all_reduce", 2, ((65536.0, 3e-4), (1048576.0, 2e-4))),)
+
+
+def test_elementwise_kernels_are_priced_at_the_activation_size():
+    """Catches: a small model's norms and SwiGLU (1 MiB activations that stay in cache, measured
+    28 GB/s) priced at the 16 MiB figure (5 GB/s) the old calibration reported for every size,
+    which overpriced them 4x against a profiled step."""
+    curve = [[2**20, 40.0], [2**24, 10.0]]
+    doc = {"devices": [{**CPU, "memory_curve": curve}], "hosts": [HOST], "network": NETWORK}
+    flat, curved = spec().to_cluster(), parse_cluster_spec(doc, where="s").to_cluster()
+    assert curved.device.memory_rate(2**20) == 40e9 and curved.device.memory_rate(2**22) == pytest.approx(25e9)
+    assert curved.device.memory_rate(1.0) == 40e9 and flat.device.memory_rate(2**20) == 20e9
+    arch = from_model_config(_model())  # width 128: 2 x 64 tokens x 128 x 4 bytes = 64 KiB activations
+    layout = Layout(seq_len=64, micro_batch=2, precision=precision_for("fp32", 0))
+    elementwise = elementwise_bytes(arch, layout)
+    gap = layer_seconds(arch, layout, flat)[0] - layer_seconds(arch, layout, curved)[0]
+    assert gap == pytest.approx(elementwise / 20e9 - elementwise / 40e9)
+    with pytest.raises(ClusterSpecError, match="memory_curve"):
+        parse_cluster_spec({"devices": [{**CPU, "memory_curve": [[0, 1]]}], "hosts": [HOST], "network": NETWORK})
+
+
+def test_ranks_sharing_cores_do_not_lose_the_pipeline_bubble(monkeypatch):
+    """Catches: the bubble priced as idle time when ranks share cores (pp 2 x dp 2, 4 ranks on 2 cores,
+    measured 1.10 s where 1.34 s was priced: an idle stage's core runs the other stage's ranks),
+    sharing assumed where each rank has its own core (pp 2 at world 2 measured as priced), or a
+    calibrated spec of more ranks than cores not saying so."""
+    assert pipeline_seconds(4, 0.1, 0.2, 0.2, 1.0) == pytest.approx(1.5)
+    assert pipeline_seconds(4, 0.1, 0.2, 0.2, 0.5) == pytest.approx(1.2)  # the work at the shared rate
+    assert pipeline_seconds(4, 0.1, 0.2, 0.6, 0.5) == pytest.approx(1.5)  # the critical path at a whole core
+    monkeypatch.setattr(calibrate_module, "usable_cpus", lambda: 2)
+    measured = {"curve": [(1e6, 1e10)], "memory": [(1e6, 1e10)], "collectives": {2: (1e9, 1e-4)}}
+    shares = [
+        parse_cluster_spec(tomllib.loads(spec_toml(measured, r)), where="c").to_cluster().core_share for r in (2, 4)
+    ]
+    assert shares == [1.0, 0.5]
+    with pytest.raises(ClusterSpecError, match="core_share"):
+        spec(core_share=0)

@@ -14,21 +14,27 @@ What each rank measures, all ranks at once:
   :data:`WINDOW_S` window of calls back to back (:func:`_mean_seconds` says why not a median). The
   planner reads this curve by FLOPs (:meth:`~loomtrain.planner.cost.Device.gemm_rate`): the
   efficiency-by-size curve of issue #19, measured instead of derived from waves.
-- **Memory bandwidth** of eager elementwise kernels (:func:`measure_memory_bandwidth`): an RMSNorm
-  and a SwiGLU product, forward and backward, over activation-sized tensors, bytes counted as the
-  time model counts a block's.
+- **Memory bandwidth by tensor size** of eager elementwise kernels (:func:`measure_memory_curve`): an
+  RMSNorm and a SwiGLU product, forward and backward, over tensors of 1 to 16 MiB (a small model's
+  activations stay in the CPU's caches, a large one's do not), bytes counted as the time model counts
+  a block's.
 - **Collectives per group size** ``g`` (each power of two from 2 to ``ranks``): the ranks split into
   ``ranks/g`` groups of consecutive ranks, which all-reduce at once (as a layout's tensor-parallel
   groups do): the latency from a 4-byte all-reduce over its ``2(g-1)`` ring steps, the bus bandwidth
   from a :data:`COLLECTIVE_BYTES` one with nccl-tests' convention (``busbw = S/t · 2(g-1)/g``,
   nccl-tests doc/PERFORMANCE.md). Because busbw is measured, the spec's ``link_efficiency`` is 1.
+  And the time of each collective the planner prices (all-reduce, reduce-scatter, all-gather,
+  all-to-all) at each of :data:`CURVE_BYTES`, the curves the time model reads
+  (:meth:`~loomtrain.planner.time.Cluster.collective_seconds`): two points and a ring formula
+  mispriced gloo here (a 1 MiB all-reduce over 4 ranks took 7 ms against the formula's 4, and
+  a 64 KiB one as long as the 1 MiB one).
 - **Whether collectives hide under compute** (``comm_overlap``): not when the ranks take every
   core, as gloo's reductions and the kernel's socket copies then run on the cores the compute
   needs (on the own-run check, docs/planner.md, pricing them unhidden took the error from 13.5 %
   to 10.5 %).
 
 A figure is the mean over ranks (they share the machine's cores, so their rates are each other's
-complement). About 10 s on a 2-core machine.
+complement). About 13 s for 2 ranks and 20 s for 4 on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -58,11 +64,24 @@ WINDOW_S = 0.25
 MIN_CALLS = 3
 # Calls of each timed collective (a fixed count: a window would let ranks disagree on it and hang).
 COLLECTIVE_CALLS = 20
+# Calls of a curve's collective by message size: about 0.1 s of calls or more at this machine's
+# 0.5-2 ms per small message (fewer calls left the 4 KiB figure twice the 64 KiB one).
+CURVE_CALLS = {4 * 2**10: 100, 64 * 2**10: 100, 2**20: 50, 8 * 2**20: 20}
+# Collectives in a new group before it is timed (gloo connects a group's pairs lazily, on first use).
+GROUP_WARMUP_CALLS = 10
 log = logging.getLogger(__name__)
-# The eager elementwise mix's tensors: 4,096 tokens of width 1,024, fp32 (16 MiB each): a micro-batch's
-# activations, beyond the caches of a CPU core as a block's working set is.
-EAGER_ROWS, EAGER_WIDTH = 4096, 1024
+# The eager elementwise mix's tensors: rows of width 1,024, fp32 (1, 4 and 16 MiB each): a micro-batch's
+# activations, from cache-resident (this machine: 1 MiB of L2 per core, 32 MiB of L3) to beyond the caches.
+EAGER_ROWS, EAGER_WIDTH = (256, 1024, 4096), 1024
+# Calls of the elementwise mix before its timing window: the allocator reaches the state a training
+# loop's steady state has (glibc raises its mmap threshold after the first frees; the first calls
+# page-fault every output and measured 3-9 GB/s where later ones reach 16-20).
+EAGER_WARMUP_S = 0.5
 COLLECTIVE_BYTES = 8 * 2**20
+# Message sizes of the measured collective curves: a small model's tensor-parallel activations (64 KiB
+# to 1 MiB) up to gradient buckets (8 MiB; larger ones continue the last segment's bandwidth).
+CURVE_BYTES = tuple(CURVE_CALLS)
+CURVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 LATENCY_BYTES = 4
 # A rank holding less than this share of its fair share of a core while measuring was disturbed.
 UNDISTURBED_SHARE = 0.8
@@ -74,13 +93,17 @@ MAX_RANKS_PER_CORE = 8
 MAX_AGE_DAYS = 7
 
 
-def _mean_seconds(run, window_s: float = WINDOW_S, calls: int | None = None) -> float:
+def _mean_seconds(run, window_s: float = WINDOW_S, calls: int | None = None, warmup_s: float = 0.0) -> float:
     """Mean seconds per call of ``run`` called back to back for ``window_s`` (at least
     :data:`MIN_CALLS` times), or exactly ``calls`` times (a collective: every rank must make the same
-    calls). A mean over a window longer than the scheduler's time slice, not a median of single
-    calls: a call short enough to fit in one slice runs at full speed even when more processes than
-    cores share the machine, and the median would report that speed."""
+    calls), after one call or, with ``warmup_s``, calls for that long. A mean over a window longer
+    than the scheduler's time slice, not a median of single calls: a call short enough to fit in one
+    slice runs at full speed even when more processes than cores share the machine, and the median
+    would report that speed."""
+    start = time.perf_counter()
     run()  # the first call at a shape allocates and picks kernels
+    while time.perf_counter() - start < warmup_s:
+        run()
     done, start = 0, time.perf_counter()
     while done < (calls or MIN_CALLS) or (calls is None and time.perf_counter() - start < window_s):
         run()
@@ -103,26 +126,32 @@ def measure_gemm_curve() -> list[tuple[float, float]]:
     return [(flops, statistics.fmean(r)) for flops, r in sorted(rates.items())]
 
 
-def measure_memory_bandwidth() -> float:
+def measure_memory_curve() -> list[tuple[float, float]]:
+    """``[(tensor bytes, bytes/s), ...]`` of :func:`measure_memory_bandwidth` for each of :data:`EAGER_ROWS`."""
+    return [(rows * EAGER_WIDTH * 4.0, measure_memory_bandwidth(rows)) for rows in EAGER_ROWS]
+
+
+def measure_memory_bandwidth(rows: int) -> float:
     """Bytes/s of eager elementwise kernels with autograd: an RMSNorm and a SwiGLU product (the
-    non-GEMM work of a block, kernel by kernel as eager PyTorch runs them) over ``EAGER_ROWS ×
-    EAGER_WIDTH`` fp32 tensors, forward and backward, each output freshly allocated.
+    non-GEMM work of a block, kernel by kernel as eager PyTorch runs them) over ``rows ×
+    EAGER_WIDTH`` fp32 tensors, forward and backward, each output freshly allocated, timed after
+    :data:`EAGER_WARMUP_S` of calls.
 
     Bytes are counted as the time model counts a block's (``planner/time.py``'s
     ``elementwise_bytes``): each forward kernel reads its inputs and writes its output once (``pow``
     2, ``mean`` 1, two ``mul`` 2 each, ``silu`` 2, ``mul`` 3, two ``sum`` 1 each: 14 tensors), and
-    backward moves twice the forward. Not STREAM's preallocated ``c = a + b``: on a CPU eager kernels
-    fault in their fresh outputs and leave cache-resident sizes, and a block's kernels run as these do.
+    backward moves twice the forward. Not STREAM's preallocated ``c = a + b``: a block's kernels
+    allocate their outputs as these do, at the sizes of its activations.
     """
-    x, a, b = (torch.randn(EAGER_ROWS, EAGER_WIDTH, requires_grad=True) for _ in range(3))
+    x, a, b = (torch.randn(rows, EAGER_WIDTH, requires_grad=True) for _ in range(3))
     weight = torch.ones(EAGER_WIDTH, requires_grad=True)
 
     def step() -> None:
         normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * weight
         (normed.sum() + (F.silu(a) * b).sum()).backward()
 
-    forward_bytes = 14 * EAGER_ROWS * EAGER_WIDTH * 4
-    return 3 * forward_bytes / _mean_seconds(step)
+    forward_bytes = 14 * rows * EAGER_WIDTH * 4
+    return 3 * forward_bytes / _mean_seconds(step, warmup_s=EAGER_WARMUP_S)
 
 
 def _groups(ranks: int, size: int) -> list[list[int]]:
@@ -140,21 +169,52 @@ def _timed_all_reduce(nbytes: int, group) -> float:
     return _mean_seconds(run, calls=COLLECTIVE_CALLS)
 
 
-def measure_collectives(ranks: int) -> dict[int, tuple[float, float]]:
-    """``{group size: (busbw bytes/s, latency s per ring step)}`` of all-reduces, every group at once.
+def _collective_call(op: str, nbytes: int, size: int, group):
+    """A call of ``op`` in ``group`` (``size`` ranks) on fp32 buffers whose message is ``nbytes``
+    (nccl-tests' size: the all-reduced buffer, the reduce-scatter's input, the all-gather's output,
+    the all-to-all's buffer), rounded down to whole ``4·size``-byte chunks."""
+    chunk = max(1, nbytes // (4 * size))
+    full, part, out = torch.zeros(size * chunk), torch.zeros(chunk), torch.zeros(size * chunk)
+    return {
+        "all_reduce": lambda: dist.all_reduce(full, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+        "all_gather": lambda: dist.all_gather_single(full, part, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(out, full, group=group),
+    }[op]
+
+
+def _timed_collective(op: str, nbytes: int, size: int, group) -> float:
+    """Mean seconds of one ``op`` (:func:`_collective_call`) over :data:`CURVE_CALLS` calls back
+    to back after one barrier, as nccl-tests time theirs: each call waits for every rank of the
+    group, so the calls keep the ranks together. Not a barrier before each call with the barrier's
+    own mean taken off: at 2 ranks a barrier's time varies by as much as a small message takes, and
+    the difference came out at or below zero."""
+    call = _collective_call(op, nbytes, size, group)
+    dist.barrier()
+    return _mean_seconds(call, calls=CURVE_CALLS[nbytes])
+
+
+def measure_collectives(ranks: int) -> tuple[dict[int, tuple[float, float]], dict[tuple[str, int], list]]:
+    """``({group size: (busbw bytes/s, latency s per ring step)}, {(op, group size): [(bytes, seconds),
+    ...]})``: the all-reduce's ring figures and each op's curve over :data:`CURVE_BYTES`, every
+    group of a size measuring at once.
 
     Collective over the default process group (every rank must call it).
     """
-    found = {}
+    found, curves = {}, {}
     for size in (2**i for i in range(1, int(math.log2(ranks)) + 1)):
         groups = [dist.new_group(g) for g in _groups(ranks, size)]
         mine = groups[dist.get_rank() // size]
+        for _ in range(GROUP_WARMUP_CALLS):
+            dist.all_reduce(torch.zeros(1), group=mine)
         steps = 2 * (size - 1)
         barrier = _mean_seconds(dist.barrier, calls=COLLECTIVE_CALLS)
         latency = max(_timed_all_reduce(LATENCY_BYTES, mine) - barrier, 1e-7) / steps
         seconds = max(_timed_all_reduce(COLLECTIVE_BYTES, mine) - barrier - steps * latency, 1e-9)
         found[size] = (COLLECTIVE_BYTES / seconds * bus_factor("all_reduce", size), latency)
-    return found
+        for op in CURVE_OPS:
+            curves[op, size] = [(float(n), _timed_collective(op, n, size, mine)) for n in CURVE_BYTES]
+    return found, curves
 
 
 def _rank_measurements(ranks: int) -> dict:
@@ -164,8 +224,9 @@ def _rank_measurements(ranks: int) -> dict:
     curve = measure_gemm_curve()
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     dist.barrier()
-    bandwidth = measure_memory_bandwidth()
-    return {"curve": curve, "bandwidth": bandwidth, "collectives": measure_collectives(ranks), "cpu_share": share}
+    memory = measure_memory_curve()
+    collectives, curves = measure_collectives(ranks)
+    return {"curve": curve, "memory": memory, "collectives": collectives, "curves": curves, "cpu_share": share}
 
 
 def _mean(values) -> float:
@@ -177,7 +238,10 @@ def combine(per_rank: list[dict]) -> dict:
     curve = [(flops, _mean(r["curve"][i][1] for r in per_rank)) for i, (flops, _) in enumerate(per_rank[0]["curve"])]
     sizes = sorted(per_rank[0]["collectives"])
     collectives = {g: tuple(_mean(r["collectives"][g][j] for r in per_rank) for j in (0, 1)) for g in sizes}
-    return {"curve": curve, "bandwidth": _mean(r["bandwidth"] for r in per_rank), "collectives": collectives,
+    memory = [(size, _mean(r["memory"][i][1] for r in per_rank)) for i, (size, _) in enumerate(per_rank[0]["memory"])]
+    curves = {key: [(n, _mean(r["curves"][key][i][1] for r in per_rank)) for i, (n, _) in enumerate(points)]
+              for key, points in per_rank[0]["curves"].items()}  # fmt: skip
+    return {"curve": curve, "memory": memory, "collectives": collectives, "curves": curves,
             "cpu_share": min(r.get("cpu_share", 1.0) for r in per_rank)}  # fmt: skip
 
 
@@ -207,9 +271,12 @@ def host_memory_bytes() -> float:
 def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
     curve = measured["curve"]
     points = ", ".join(f"[{f:.4g}, {r / 1e12:.6g}]" for f, r in curve)
+    memory = ", ".join(f"[{size:.0f}, {rate / 1e9:.4g}]" for size, rate in measured["memory"])
     return ["[[devices]]", f'name = "{name}-cpu"',
             f"peak_tflops = {max(r for _, r in curve) / 1e12:.6g}    # fastest measured fp32 GEMM",
-            f"memory_gb_per_s = {measured['bandwidth'] / 1e9:.4g}    # eager elementwise kernels, per rank",
+            f"memory_gb_per_s = {measured['memory'][-1][1] / 1e9:.4g}    # eager elementwise kernels, per rank, "
+            "largest tensors",
+            f"memory_curve = [{memory}]    # [tensor bytes, GB/s]",
             f"memory_gib = {host_memory_bytes() / ranks / 2**30:.4g}    # host memory / ranks",
             "element_bytes = 4    # fp32", f"gemm_curve = [{points}]    # [FLOPs, TFLOP/s]"]  # fmt: skip
 
@@ -231,6 +298,16 @@ def _link_lines(collectives: dict[int, tuple[float, float]]) -> tuple[list[str],
     return host, network
 
 
+def _curve_lines(curves: dict[tuple[str, int], list]) -> list[str]:
+    """``[[hosts.collectives]]`` tables of the measured collective curves."""
+    lines = []
+    for (op, size), points in sorted(curves.items()):
+        lines += ["[[hosts.collectives]]    # measured mean seconds of one collective by message size",
+                  f'op = "{op}"', f"group_size = {size}", f"bytes = [{', '.join(f'{n:.0f}' for n, _ in points)}]",
+                  f"microseconds = [{', '.join(f'{t * 1e6:.4g}' for _, t in points)}]", ""]  # fmt: skip
+    return lines
+
+
 def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
     """The cluster spec (``planner/cluster.py`` format) of ``ranks`` processes on this machine, from
     :func:`combine`'s figures."""
@@ -245,8 +322,9 @@ def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
         f'source = "measured {when} on {device_name(torch.device("cpu"))}, torch {torch.__version__}, {ranks} ranks"',
         "", *_device_lines(measured, ranks, name), "",
         "[[hosts]]", "count = 1", f"devices_per_host = {ranks}", f'device = "{name}-cpu"', *host,
-        f"comm_overlap = {'true' if ranks < usable_cpus() else 'false'}    # a core left for gloo's threads?", "",
-        *network, "",
+        f"comm_overlap = {'true' if ranks < usable_cpus() else 'false'}    # a core left for gloo's threads?",
+        f"core_share = {min(1.0, usable_cpus() / ranks):.4g}    # of a core, per rank while all compute", "",
+        *_curve_lines(measured.get("curves", {})), *network, "",
     ]  # fmt: skip
     return "\n".join(lines)
 

@@ -32,6 +32,8 @@ collective figures by group size::
     memory_gib = 12             # memory per device
     element_bytes = 4           # optional: bytes per element of the compute dtype (default 2, bf16)
     gemm_curve = [[1e6, 0.01], [1e9, 0.05]]   # optional: measured [FLOPs, TFLOP/s] of GEMMs by size
+    memory_curve = [[1048576, 40], [16777216, 12]]  # optional: measured [tensor bytes, GB/s] of
+                                # elementwise kernels by tensor size (memory_gb_per_s: every size)
 
     [[hosts]]
     ...
@@ -39,6 +41,13 @@ collective figures by group size::
     group_gb_per_s = [3.1, 2.2] # latency per ring step of groups of each size inside the host
     group_latency_us = [40, 60]
     comm_overlap = false        # optional (default true): collectives cannot run under compute here
+    core_share = 0.5            # optional (default 1): share of a core each rank holds (4 ranks, 2 cores)
+
+    [[hosts.collectives]]       # optional, any number: measured seconds of one collective by size
+    op = "all_reduce"           # all_reduce, reduce_scatter, all_gather or all_to_all
+    group_size = 2              # ranks in the group, inside the host
+    bytes = [65536, 1048576]    # message sizes (nccl-tests' convention), increasing
+    microseconds = [900, 1700]  # mean time of one call at each size
 
 A heterogeneous spec is priced as its slowest and smallest parts (:meth:`ClusterSpec.to_cluster`):
 synchronous training waits for the slowest rank, and every rank of a layout holds the same share.
@@ -53,14 +62,17 @@ from pathlib import Path
 from typing import Any
 
 from loomtrain.planner.cost import DEVICES, Device, device
-from loomtrain.planner.time import Cluster
+from loomtrain.planner.time import Cluster, CollectiveCurve
 
 # configs/clusters/ of the source tree (src/loomtrain/planner/cluster.py → repository root).
 SPEC_DIR = Path(__file__).resolve().parents[3] / "configs" / "clusters"
 _GROUP_FIELDS = ("group_sizes", "group_gb_per_s", "group_latency_us")
 _HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_latency_us", "gemm_efficiency",
-                "comm_overlap", *_GROUP_FIELDS}  # fmt: skip
-_DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve", "source"}
+                "comm_overlap", "collectives", "core_share", *_GROUP_FIELDS}  # fmt: skip
+_CURVE_FIELDS = {"op", "group_size", "bytes", "microseconds"}
+_CURVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+_DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve",
+                  "memory_curve", "source"}  # fmt: skip
 _NETWORK_FIELDS = {"inter_gb_per_s", "inter_latency_us", "link_efficiency"}
 _TOP_FIELDS = {"name", "source", "hosts", "network", "devices"}
 
@@ -82,6 +94,9 @@ class HostGroup:
         group_links: measured ``(group size, busbw bytes/s, latency s)`` inside the host (may be empty).
         comm_overlap: whether collectives run under compute on this host
             (:attr:`~loomtrain.planner.time.Cluster.comm_overlap`).
+        collective_curves: measured ``(op, group size, ((bytes, seconds), ...))`` inside the host
+            (:attr:`~loomtrain.planner.time.Cluster.collective_curves`; may be empty).
+        core_share: share of a core each rank holds (:attr:`~loomtrain.planner.time.Cluster.core_share`).
     """
 
     count: int
@@ -92,6 +107,8 @@ class HostGroup:
     gemm_efficiency: float
     group_links: tuple[tuple[int, float, float], ...] = ()
     comm_overlap: bool = True
+    collective_curves: tuple[CollectiveCurve, ...] = ()
+    core_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +160,8 @@ class ClusterSpec:
             source=self.source,
             group_links=_slowest_links(self.hosts),
             comm_overlap=all(g.comm_overlap for g in self.hosts),
+            collective_curves=_slowest_curves(self.hosts),
+            core_share=max(g.core_share for g in self.hosts),  # the least idle time given to neighbours
         )
 
 
@@ -151,6 +170,16 @@ def _slowest_links(hosts: tuple[HostGroup, ...]) -> tuple[tuple[int, float, floa
     sizes = set.intersection(*({g[0] for g in h.group_links} for h in hosts))
     rows = [[g for h in hosts for g in h.group_links if g[0] == size] for size in sorted(sizes)]
     return tuple((r[0][0], min(g[1] for g in r), max(g[2] for g in r)) for r in rows)
+
+
+def _slowest_curves(hosts: tuple[HostGroup, ...]) -> tuple[CollectiveCurve, ...]:
+    """Per ``(op, group size, message sizes)`` measured by every host group, its slowest time at each size."""
+    keys = set.intersection(*({(op, g, tuple(b for b, _ in pts)) for op, g, pts in h.collective_curves} for h in hosts))
+    slowest = []
+    for op, size, sizes in sorted(keys):
+        rows = [pts for h in hosts for o, g, pts in h.collective_curves if (o, g) == (op, size)]
+        slowest.append((op, size, tuple((b, max(r[i][1] for r in rows)) for i, b in enumerate(sizes))))
+    return tuple(slowest)
 
 
 def _number(where: str, table: dict[str, Any], field: str, low: float, high: float = math.inf) -> float:
@@ -196,13 +225,40 @@ def _group_links(where: str, table: dict[str, Any]) -> tuple[tuple[int, float, f
     return tuple(sorted((s, b * 1e9, t / 1e6) for s, b, t in zip(sizes, busbw, latency, strict=True)))
 
 
-def _curve(where: str, value: Any) -> tuple[tuple[float, float], ...]:
+def _collective_curve(where: str, table: Any, devices_per_host: int) -> CollectiveCurve:
+    """One ``[[hosts.collectives]]`` table as ``(op, group size, ((bytes, seconds), ...))``."""
+    if not isinstance(table, dict):
+        raise ClusterSpecError(f"{where}: each [[hosts.collectives]] entry must be a table")
+    _unknown(where, table, _CURVE_FIELDS)
+    if table.get("op") not in _CURVE_OPS:
+        raise ClusterSpecError(f"{where}.op={table.get('op')!r}: give one of {', '.join(_CURVE_OPS)}")
+    size = _whole(where, table, "group_size")
+    if not 2 <= size <= devices_per_host:
+        raise ClusterSpecError(f"{where}.group_size={size}: give 2 to devices_per_host={devices_per_host}")
+    sizes = table.get("bytes")
+    if not isinstance(sizes, list) or not sizes:
+        raise ClusterSpecError(f"{where}.bytes={sizes!r}: give a list of increasing message sizes in bytes")
+    nbytes = [_number(where, {"bytes": b}, "bytes", 0) for b in sizes]
+    if nbytes != sorted(set(nbytes)):
+        raise ClusterSpecError(f"{where}.bytes={sizes!r}: give a list of increasing message sizes in bytes")
+    times = table.get("microseconds")
+    if not isinstance(times, list) or len(times) != len(nbytes):
+        raise ClusterSpecError(f"{where}.microseconds={times!r}: give one time per size of bytes ({len(nbytes)})")
+    seconds = [_number(where, {"microseconds": t}, "microseconds", 0) / 1e6 for t in times]
+    return table["op"], size, tuple(zip(nbytes, seconds, strict=True))
+
+
+def _curve(where: str, table: dict[str, Any], field: str, units: str, scale: float) -> tuple[tuple[float, float], ...]:
+    """A measured ``[[size, rate], ...]`` field as sorted ``(size, rate · scale)`` pairs; ``()`` when absent."""
+    if field not in table:
+        return ()
+    value = table[field]
     ok = isinstance(value, list) and all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(x, int | float) and x > 0 for x in p) for p in value
     )
     if not ok or not value:
-        raise ClusterSpecError(f"{where}.gemm_curve={value!r}: give a list of [FLOPs, TFLOP/s] pairs, both positive")
-    return tuple(sorted((float(f), float(r) * 1e12) for f, r in value))
+        raise ClusterSpecError(f"{where}.{field}={value!r}: give a list of [{units}] pairs, both positive")
+    return tuple(sorted((float(f), float(r) * scale) for f, r in value))
 
 
 def _spec_device(where: str, table: Any) -> Device:
@@ -214,7 +270,7 @@ def _spec_device(where: str, table: Any) -> Device:
     element_bytes = table.get("element_bytes", 2)
     if element_bytes not in (1, 2, 4, 8):
         raise ClusterSpecError(f"{where}.element_bytes={element_bytes!r}: give 1, 2, 4 or 8")
-    curve = _curve(where, table["gemm_curve"]) if "gemm_curve" in table else ()
+    curve = _curve(where, table, "gemm_curve", "FLOPs, TFLOP/s", 1e12)
     if curve and max(rate for _, rate in curve) > peak * (1 + 1e-6):
         raise ClusterSpecError(
             f"{where}.gemm_curve has a rate above peak_tflops={peak / 1e12:g}: the peak is the fastest GEMM; "
@@ -229,6 +285,7 @@ def _spec_device(where: str, table: Any) -> Device:
         mamf_flops_per_s=peak,
         element_bytes=element_bytes,
         gemm_curve=curve,
+        memory_curve=_curve(where, table, "memory_curve", "tensor bytes, GB/s", 1e9),
     )
 
 
@@ -276,7 +333,22 @@ def _host_group(where: str, table: Any, devices: dict[str, Device]) -> HostGroup
         gemm_efficiency=_number(where, {"gemm_efficiency": efficiency}, "gemm_efficiency", 0, 1),
         group_links=links,
         comm_overlap=_flag(where, table, "comm_overlap", True),
+        collective_curves=_collective_curves(where, table),
+        core_share=_number(where, {"core_share": table.get("core_share", 1.0)}, "core_share", 0, 1),
     )
+
+
+def _collective_curves(where: str, table: dict[str, Any]) -> tuple[CollectiveCurve, ...]:
+    tables = table.get("collectives", [])
+    if not isinstance(tables, list):
+        raise ClusterSpecError(f"{where}.collectives: give [[hosts.collectives]] tables")
+    curves = [
+        _collective_curve(f"{where}.collectives[{i}]", t, table["devices_per_host"]) for i, t in enumerate(tables)
+    ]
+    keys = [(op, size) for op, size, _ in curves]
+    if len(set(keys)) != len(keys):
+        raise ClusterSpecError(f"{where}.collectives: one table per (op, group_size); found {sorted(keys)}")
+    return tuple(sorted(curves))
 
 
 def _flag(where: str, table: dict[str, Any], field: str, default: bool) -> bool:

@@ -73,6 +73,9 @@ class Device:
             CPU: 4, fp32).
         gemm_curve: measured ``(flops, flop_per_s)`` points of GEMMs by size, sorted by FLOPs (a
             calibrated device, ``planner/calibrate.py``); empty: the roofline prices GEMMs.
+        memory_curve: measured ``(tensor bytes, bytes/s)`` points of eager elementwise kernels by
+            the size of the tensors they stream, sorted by size (a calibrated CPU: a 1 MiB tensor
+            stays in cache, a 16 MiB one does not); empty: ``memory_bytes_per_s`` at every size.
     """
 
     name: str
@@ -86,6 +89,7 @@ class Device:
     mamf_flops_per_s: float = 0.0
     element_bytes: int = BYTES_BF16
     gemm_curve: tuple[tuple[float, float], ...] = ()
+    memory_curve: tuple[tuple[float, float], ...] = ()
 
     def gemm_rate(self, flops: float) -> float:
         """FLOP/s of a kernel of ``flops`` FLOP: the measured curve interpolated linearly in
@@ -93,12 +97,12 @@ class Device:
         ``efficiency``."""
         if not self.gemm_curve:
             return self.peak_flops_per_s * self.efficiency
-        xs = [math.log(f) for f, _ in self.gemm_curve]
-        x = math.log(max(flops, 1.0))
-        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-        r0, r1 = self.gemm_curve[i - 1][1], self.gemm_curve[i][1]
-        share = min(max((x - xs[i - 1]) / ((xs[i] - xs[i - 1]) or 1.0), 0.0), 1.0)
-        return (r0 + share * (r1 - r0)) * self.efficiency
+        return log_interpolate(self.gemm_curve, flops) * self.efficiency
+
+    def memory_rate(self, tensor_bytes: float) -> float:
+        """Bytes/s of elementwise kernels over tensors of ``tensor_bytes``: the measured curve
+        interpolated linearly in ``log(bytes)`` (flat beyond its ends); without one, ``memory_bytes_per_s``."""
+        return log_interpolate(self.memory_curve, tensor_bytes) if self.memory_curve else self.memory_bytes_per_s
 
     def peak(self, dtype: str) -> float:
         """Dense datasheet FLOP/s for ``dtype`` (``bf16``, ``fp16``, ``tf32``, ``fp32``), from
@@ -111,6 +115,17 @@ class Device:
         if peaks is None or dtype not in peaks._fields:
             raise ValueError(f"device {self.name!r}: no datasheet peak for dtype={dtype!r} (bf16, fp16, tf32, fp32)")
         return getattr(peaks, dtype) * 1e12
+
+
+def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """The ``y`` of sorted ``(x, y)`` points at ``x``, linear in ``log(x)`` between points and held
+    flat beyond the ends (a measured rate curve, read between its measured sizes)."""
+    xs = [math.log(p) for p, _ in curve]
+    at = math.log(max(x, 1.0))
+    i = min(max(bisect.bisect_left(xs, at), 1), len(xs) - 1)
+    y0, y1 = curve[i - 1][1], curve[i][1]
+    share = min(max((at - xs[i - 1]) / ((xs[i] - xs[i - 1]) or 1.0), 0.0), 1.0)
+    return y0 + share * (y1 - y0)
 
 
 def _datasheet_peak(gpu_name: str) -> float:

@@ -38,6 +38,7 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
 
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from dataclasses import dataclass, replace
@@ -46,6 +47,9 @@ from loomtrain.distributed.pipeline.schedule import theoretical_bubble
 from loomtrain.planner.arch import Architecture
 from loomtrain.planner.cost import DEVICES, Device, Gemm, attention_times, head_times, layer_gemms
 from loomtrain.planner.memory import Layout, device_params, layers_per_chunk
+
+# A measured collective: (op, group size, ((message bytes, seconds), ...) sorted by size).
+CollectiveCurve = tuple[str, int, tuple[tuple[float, float], ...]]
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,15 @@ class Cluster:
         group_links: measured ``(group size, busbw bytes/s, latency s)`` of collectives inside a host,
             by group size (a calibrated spec, ``planner/calibrate.py``); empty: the intra-host link
             serves every group size.
+        collective_curves: measured ``(op, group size, ((bytes, seconds), ...))`` of each collective
+            of :data:`~loomtrain.distributed.collectives.OPS` inside a host, by message size (bytes
+            as nccl-tests count them: the all-reduced buffer, the reduce-scatter's input, the
+            all-gather's output, the all-to-all's buffer); empty: the ring formulas price them from
+            :meth:`link`.
+        core_share: the share of a core each rank holds while every rank computes (a calibrated CPU
+            spec: ``min(1, cores / ranks)``; 1 for GPUs). Below 1 the spec's rates are measured at
+            that share, and a rank's idle time, the pipeline bubble, is not lost: the ranks it shares
+            cores with run faster meanwhile (:func:`pipeline_seconds`).
         comm_overlap: whether the data-parallel and ZeRO-3 collectives can run under compute. True for
             GPUs (the copy engines and NCCL's kernels run beside the compute kernels); False for CPU
             ranks that occupy every core, where gloo's reductions and the kernel's socket copies
@@ -89,12 +102,14 @@ class Cluster:
     source: str = ""
     group_links: tuple[tuple[int, float, float], ...] = ()
     comm_overlap: bool = True
+    collective_curves: tuple[CollectiveCurve, ...] = ()
+    core_share: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("devices_per_host", "intra_bytes_per_s", "inter_bytes_per_s"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Cluster.{field}={getattr(self, field)} must be positive")
-        for field in ("gemm_efficiency", "link_efficiency"):
+        for field in ("gemm_efficiency", "link_efficiency", "core_share"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"Cluster.{field}={getattr(self, field)} must be in (0, 1]")
 
@@ -124,6 +139,36 @@ class Cluster:
             _, busbw, latency = max(fitting)
             return busbw * self.link_efficiency, latency
         return self.intra_bytes_per_s * self.link_efficiency, self.intra_latency_s
+
+    def collective_seconds(self, op: str, nbytes: float, size: int, spans_hosts: bool) -> float:
+        """Seconds of one ``op`` of ``nbytes`` (nccl-tests' message size, :attr:`collective_curves`)
+        over a group of ``size`` ranks: inside a host where :attr:`collective_curves` has ``op``, its
+        measured curve of the largest measured group size up to ``size`` (:func:`curve_seconds`);
+        otherwise the ring formulas on :meth:`link` (all-reduce: :func:`ring_all_reduce_seconds`;
+        reduce-scatter, all-gather: :func:`ring_gather_seconds`; all-to-all: each rank sends
+        ``(n - 1)/n`` of the buffer, one message per peer). 0 for one rank."""
+        if size <= 1:
+            return 0.0
+        curves = [] if spans_hosts else [(g, points) for o, g, points in self.collective_curves if o == op]
+        if curves:
+            return curve_seconds(max([c for c in curves if c[0] <= size] or [min(curves)])[1], nbytes)
+        bandwidth, latency = self.link(spans_hosts, size)
+        if op == "all_reduce":
+            return ring_all_reduce_seconds(nbytes, size, bandwidth, latency)
+        if op == "all_to_all":
+            return (size - 1) / size * nbytes / bandwidth + (size - 1) * latency
+        return ring_gather_seconds(nbytes, size, bandwidth, latency)
+
+
+def curve_seconds(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Seconds of a collective of ``nbytes`` from measured ``(bytes, seconds)`` points sorted by
+    size: linear between points; below the smallest, its time (a latency floor); beyond the largest,
+    the last segment's seconds per byte on (a bandwidth-bound message grows linearly)."""
+    if nbytes <= points[0][0] or len(points) == 1:
+        return points[0][1] if nbytes <= points[0][0] else points[0][1] * nbytes / points[0][0]
+    i = min(max(bisect.bisect_left([b for b, _ in points], nbytes), 1), len(points) - 1)
+    (b0, t0), (b1, t1) = points[i - 1], points[i]
+    return t0 + (nbytes - b0) * max(t1 - t0, 0.0) / (b1 - b0)
 
 
 def _mamf_share(name: str) -> float:
@@ -222,7 +267,7 @@ class StepTime:
             beyond what compute hides, and point-to-point sends.
         tp_comm: the tensor-parallel all-reduces and Ulysses all-to-alls inside ``forward + backward``.
         p2p: the point-to-point sends inside ``forward + backward``.
-        pipeline: ``m (forward + backward) / (1 - bubble)``.
+        pipeline: the micro-batches on one pipeline, :func:`pipeline_seconds`.
         bubble: the schedule's idle share of ``pipeline``.
         dp_exposed: the data-parallel all-reduce not hidden behind the last backward.
         optimizer: the optimizer step (memory-bound: every state read and written once).
@@ -254,21 +299,36 @@ def tp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster) 
     """One of Megatron's per-block tensor-parallel all-reduces: ``b·s·h/sp`` activations of
     ``precision.activation_bytes`` over the ``tp`` ranks (inter-host when ``tp`` exceeds a host)."""
     nbytes = layout.micro_batch * layout.seq_len / layout.sp * arch.hidden * layout.precision.activation_bytes
-    bandwidth, latency = cluster.link(_spans_hosts(1, layout.tp, cluster), layout.tp)
-    return ring_all_reduce_seconds(nbytes, layout.tp, bandwidth, latency)
+    return cluster.collective_seconds("all_reduce", nbytes, layout.tp, _spans_hosts(1, layout.tp, cluster))
 
 
 def all_to_all_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
-    """Ulysses' all-to-alls of one block's forward on one rank: ``q``, ``k``, ``v`` and the attention
-    output, ``b·(s/sp)·(2q + 2kv)/t`` elements, of which each rank sends ``(sp - 1)/sp`` (one message
-    per peer, each paying the latency). 0 without ``sp``."""
+    """Ulysses' four all-to-alls of one block's forward on one rank (``sequence_parallel.py``): ``q``
+    and the attention output of ``b·(s/sp)·h/t`` elements, ``k`` and ``v`` of ``b·(s/sp)·kv/t``
+    (:meth:`Cluster.collective_seconds`). 0 without ``sp``."""
     sp = layout.sp
-    if sp == 1:
-        return 0.0
-    width = 2 * arch.hidden + 2 * arch.kv_width
-    nbytes = layout.micro_batch * layout.seq_len / sp * width / layout.tp * layout.precision.activation_bytes
-    bandwidth, latency = cluster.link(_spans_hosts(layout.tp, sp, cluster), sp)
-    return (sp - 1) / sp * nbytes / bandwidth + 4 * (sp - 1) * latency
+    tokens = layout.micro_batch * layout.seq_len / sp * layout.precision.activation_bytes / layout.tp
+    spans = _spans_hosts(layout.tp, sp, cluster)
+    return sum(2 * cluster.collective_seconds("all_to_all", tokens * width, sp, spans)
+               for width in (arch.hidden, arch.kv_width))  # fmt: skip
+
+
+def vocab_parallel_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one micro-batch's tensor-parallel collectives outside the
+    blocks on the last stage: the vocabulary-parallel embedding's all-reduce of ``b·(s/sp)·h``
+    activations (with ``pp = 1``, the head's stage holds it too) and the cross-entropy's two
+    all-reduces of ``N + 1`` and ``2N`` fp32 values (``N = b·s/sp`` tokens) in forward, the head
+    input's gradient all-reduce of ``b·(s/sp)·h`` in backward (Shoeybi et al. 2019 §3: the parallel
+    input and output embeddings, the output fused with the cross-entropy; ``tensor_parallel.py``'s
+    ``vocab_parallel_cross_entropy``). ``(0, 0)`` without ``tp``."""
+    t = layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    spans, tokens = _spans_hosts(1, t, cluster), layout.micro_batch * layout.seq_len / layout.sp
+    activation = cluster.collective_seconds("all_reduce", tokens * arch.hidden * layout.precision.activation_bytes, t,
+                                            spans)  # fmt: skip
+    loss = sum(cluster.collective_seconds("all_reduce", 4 * n, t, spans) for n in (tokens + 1, 2 * tokens))
+    return loss + (activation if layout.pp == 1 else 0.0), activation
 
 
 def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
@@ -291,7 +351,8 @@ def layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     of times).
 
     Forward: the cost model's GEMMs (``b·s/sp`` tokens) and attention core (full ``s``, ``a/(t·sp)``
-    heads), :func:`elementwise_bytes` over HBM bandwidth, two all-reduces and the all-to-alls.
+    heads), :func:`elementwise_bytes` over the memory bandwidth at the size of one ``b·(s/sp)·h``
+    activation (:meth:`~loomtrain.planner.cost.Device.memory_rate`), two all-reduces and the all-to-alls.
     Backward: the GEMMs' backward, twice the elementwise traffic, the same communication, and under
     ``recompute="full"`` the whole forward again (Narayanan et al. §5.1); ``selective`` recomputes
     the attention core only (Korthikanti et al. §5).
@@ -311,7 +372,8 @@ def _layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tupl
     attention, attention_backward = attention_times(arch, layout.seq_len, b, t * layout.sp, dev, waves=True)
     gemm_f = sum(g.seconds(dev, True) for g in gemms) + attention
     gemm_b = sum(g.input_grad().seconds(dev, True) + g.weight_grad().seconds(dev, True) for g in gemms)
-    elementwise = elementwise_bytes(arch, layout) / cluster.device.memory_bytes_per_s
+    activation = b * layout.seq_len / layout.sp * arch.hidden * layout.precision.activation_bytes
+    elementwise = elementwise_bytes(arch, layout) / cluster.device.memory_rate(activation)
     comm = 2 * tp_all_reduce_seconds(arch, layout, cluster) + all_to_all_seconds(arch, layout, cluster)
     forward = gemm_f + elementwise + comm
     backward = gemm_b + attention_backward + 2 * elementwise + comm
@@ -332,22 +394,19 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     n = layout.dp_shard
     if layout.zero_stage < 3 or n == 1:
         return 0.0, 0.0
-    params = device_params(arch, layout)
     layers = layers_per_chunk(arch, layout) * layout.virtual_stages
-    bandwidth, latency = cluster.link(_spans_hosts(layout.tp * layout.sp, n, cluster), n)
-    p = layout.precision
-
-    def collective(nbytes: float) -> float:
-        return ring_gather_seconds(nbytes, n, bandwidth, 0.0) + layers * (n - 1) * latency
-
-    gather = collective(params * p.param_bytes)
+    per_layer = device_params(arch, layout) / layers
+    spans, p = _spans_hosts(layout.tp * layout.sp, n, cluster), layout.precision
+    gather = layers * cluster.collective_seconds("all_gather", per_layer * p.param_bytes, n, spans)
+    scatter = layers * cluster.collective_seconds("reduce_scatter", per_layer * p.grad_bytes, n, spans)
     gathers_in_backward = 2 if layout.recompute == "full" else 1
-    return gather, gathers_in_backward * gather + collective(params * p.grad_bytes)
+    return gather, gathers_in_backward * gather + scatter
 
 
 def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float, float]:
     """``(forward, backward, tp_comm, p2p)`` of one micro-batch on the last pipeline stage, the slowest:
-    ``layers_per_chunk · virtual_stages`` blocks, the head, one send each way; under ZeRO-3 each pass
+    ``layers_per_chunk · virtual_stages`` blocks, the head and its tensor-parallel collectives
+    (:func:`vocab_parallel_seconds`), one send each way; under ZeRO-3 each pass
     takes the longer of its compute and its overlapped gathers (:func:`zero3_seconds`), or their
     sum where ``cluster.comm_overlap`` is false.
 
@@ -359,33 +418,59 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
     head = head_times(arch, layout.seq_len // layout.sp, layout.micro_batch, cluster.compute_device, layout.tp, True)
     send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
     gather_f, gather_b = zero3_seconds(arch, layout, cluster)
+    vocab_f, vocab_b = vocab_parallel_seconds(arch, layout, cluster)
     hide = max if cluster.comm_overlap else operator.add  # unhidden: one after the other
-    forward = hide(layers * layer_f + head.forward, gather_f) + send
-    backward = hide(layers * layer_b + head.backward, gather_b) + send
-    return forward, backward, layers * layer_tp, 2 * send
+    forward = hide(layers * layer_f + head.forward + vocab_f, gather_f) + send
+    backward = hide(layers * layer_b + head.backward + vocab_b, gather_b) + send
+    return forward, backward, layers * layer_tp + vocab_f + vocab_b, 2 * send
 
 
 def dp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
-    """The gradient all-reduce at the end of the step over the data-parallel ranks: ZeRO 0-2, all of
-    ``params`` over ``dp`` (ZeRO 1-2: reduce-scatter plus all-gather, the same volume); ZeRO-3 with
-    ``dp_replicate > 1`` (HSDP), the ``1/dp_shard`` shard over the replicas; 0 otherwise."""
+    """The gradient sync of a step over the data-parallel ranks: ZeRO 0, an all-reduce of all of
+    ``params``' gradients over ``dp``; ZeRO 1-2 as ``distributed/zero.py`` runs them, block by block:
+    the gradients all-reduced (stage 1) or reduce-scattered (stage 2; Rajbhandari et al. 2020 §7) and
+    the updated parameters all-gathered before the next forward; ZeRO-3 with ``dp_replicate > 1``
+    (HSDP), an all-reduce of the ``1/dp_shard`` shard over the replicas; 0 otherwise. Each
+    collective is priced by :meth:`Cluster.collective_seconds` (measured curves where the spec has them)."""
     grad_bytes = params * layout.precision.grad_bytes
     inner = layout.tp * layout.sp
     if layout.zero_stage == 3:
         ranks, stride, grad_bytes = layout.dp_replicate, inner * layout.dp_shard, grad_bytes / layout.dp_shard
     else:
         ranks, stride = layout.dp, inner
-    bandwidth, latency = cluster.link(_spans_hosts(stride, ranks, cluster), ranks)
-    return ring_all_reduce_seconds(grad_bytes, ranks, bandwidth, latency)
+    spans = _spans_hosts(stride, ranks, cluster)
+    if layout.zero_stage not in (1, 2):
+        return cluster.collective_seconds("all_reduce", grad_bytes, ranks, spans)
+    units = layers_per_chunk(arch, layout) * layout.virtual_stages
+    reduce = "all_reduce" if layout.zero_stage == 1 else "reduce_scatter"
+    per_unit = (grad_bytes / units, params * layout.precision.param_bytes / units)
+    return units * sum(
+        cluster.collective_seconds(op, n, ranks, spans) for op, n in zip((reduce, "all_gather"), per_unit, strict=True)
+    )
 
 
-def optimizer_seconds(layout: Layout, cluster: Cluster, params: float) -> float:
+def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
     """The optimizer step over this rank's shard, memory-bound: parameters, gradients and optimizer
-    states read, parameters and optimizer states written, once each."""
+    states read, parameters and optimizer states written, once each, tensor by tensor (PyTorch's
+    Adam; ZeRO keeps each tensor's rows), at the memory rate of the largest one
+    (:meth:`~loomtrain.planner.cost.Device.memory_rate`: an MLP matrix, ``h·f/t`` elements, over the
+    ZeRO shard)."""
     p = layout.precision
-    shard = params / (layout.dp_shard if layout.zero_stage >= 1 else 1)
+    split = layout.dp_shard if layout.zero_stage >= 1 else 1
     per_param = 2 * p.param_bytes + p.grad_bytes + 2 * p.optimizer_bytes
-    return shard * per_param / cluster.device.memory_bytes_per_s
+    largest = arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp / split * p.param_bytes
+    return params / split * per_param / cluster.device.memory_rate(largest)
+
+
+def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float, core_share: float) -> float:
+    """Seconds of a step's micro-batches on one pipeline: ``m (t_f + t_b) / (1 - bubble)`` (the
+    schedule's idle share of the critical path). When ranks share cores (``core_share < 1``, times
+    measured at that share), an idle rank's core serves the ranks beside it, so the step is the
+    longer of the ranks' work at the shared rate, ``m (t_f + t_b)``, and the critical path at a whole
+    core, ``core_share · m (t_f + t_b) / (1 - bubble)``. (Measured: pp 2 × dp 2 on 2 cores took
+    1.10 s where the first form priced 1.34 s and the work is 1.01 s; docs/planner.md "Own runs".)"""
+    work = n_micro * (forward + backward)
+    return max(core_share * work / (1 - bubble), work) if core_share < 1 else work / (1 - bubble)
 
 
 def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
@@ -408,10 +493,10 @@ def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
         backward=backward,
         tp_comm=tp_comm,
         p2p=p2p,
-        pipeline=layout.n_micro * (forward + backward) / (1 - bubble),
+        pipeline=pipeline_seconds(layout.n_micro, forward, backward, bubble, cluster.core_share),
         bubble=bubble,
         dp_exposed=max(0.0, dp - backward) if cluster.comm_overlap else dp,
-        optimizer=optimizer_seconds(layout, cluster, params),
+        optimizer=optimizer_seconds(arch, layout, cluster, params),
         zero3_comm=sum(zero3_seconds(arch, layout, cluster)),
     )
 
