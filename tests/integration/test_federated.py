@@ -27,6 +27,8 @@ from loomtrain.federated.wire import FederatedError  # noqa: E402
 
 CLIENTS, ROUNDS = 5, 2
 DROPS = {"fit": ["2@2:fit", "3@2:fit"], "mask_input": ["2@2:mask_input", "3@2:mask_input"]}
+# Client-side DP: an L2 clipping norm well under the tabular updates' norms, and a noise multiplier.
+CLIP, NOISE = 0.05, 1.0
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,11 @@ def runs(tmp_path_factory):
         s("resumed", resume=True),
         s("ckks_nokey", secure="ckks", keys=str(short_keys)),
         s("partial", fraction=0.6, strategy="fedadam", compress="topk", topk_ratio=0.1),
+        s("none_clip", dp_clip=CLIP),
+        s("ckks_clip", secure="ckks", dp_clip=CLIP),
+        s("none_dp", dp_clip=CLIP, dp_noise=NOISE),
+        s("dp_resumed", dp_clip=CLIP, dp_noise=NOISE, rounds=1),
+        s("dp_resumed", dp_clip=CLIP, dp_noise=NOISE, resume=True),
     ]
     outcomes = simulate([settings for _, settings in plan], raise_errors=False)
     return {name: (settings, outcome) for (name, settings), outcome in zip(plan, outcomes, strict=True)}
@@ -174,3 +181,31 @@ def test_real_processes_match_simulation(tmp_path):
     (sim_state,) = simulate([sim])
     dep_state = run_deployment(dep)
     np.testing.assert_allclose(final_params(dep, dep_state), final_params(sim, sim_state), atol=1e-6)
+
+
+def test_ckks_clients_clip_their_update_like_plain_clients(runs):
+    """Catches: --dp-clip/--dp-noise silently ignored under --secure ckks (clients encrypted their
+    model unclipped, so the docs' "the server never sees an un-noised update" was false): with
+    clipping only (deterministic), the CKKS run must end where the plain run ends, within CKKS
+    precision, and away from the unclipped CKKS run."""
+    clipped, _ = _final(runs, "none_clip")
+    ckks_clipped, _ = _final(runs, "ckks_clip")
+    unclipped, _ = _final(runs, "ckks")
+    np.testing.assert_allclose(ckks_clipped, clipped, atol=1e-5)
+    assert np.abs(unclipped - clipped).max() > 100 * 1e-5
+
+
+def test_privacy_ledger_reports_epsilon_per_round_and_survives_resume(runs):
+    """Catches: no ε reported under --dp-noise, ε from the nominal z when the server sees each update
+    in the clear (it must use z/√m), rounds not composed, or a resumed run whose ε forgets the
+    rounds before the crash."""
+    from loomtrain.federated.privacy import epsilon
+
+    rows = read_metrics(runs["none_dp"][0].out)
+    z = NOISE / np.sqrt(CLIENTS)
+    assert [r["dp_noise_multiplier"] for r in rows] == pytest.approx([z, z])
+    expected = [epsilon([[z, 1.0]] * n, 1e-5) for n in (1, 2)]
+    assert [r["dp_epsilon"] for r in rows] == pytest.approx(expected) and expected[0] < expected[1]
+    resumed = read_metrics(runs["dp_resumed"][0].out)
+    assert [r["dp_epsilon"] for r in resumed] == pytest.approx(expected)
+    assert all(r["dp_epsilon"] is None for r in read_metrics(runs["none_clip"][0].out))

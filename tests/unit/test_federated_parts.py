@@ -13,6 +13,7 @@ from loomtrain import cli  # noqa: E402
 from loomtrain.config import ConfigError  # noqa: E402
 from loomtrain.federated.client import flat_params, load_flat, local_train  # noqa: E402
 from loomtrain.federated.compress import compress  # noqa: E402
+from loomtrain.federated.privacy import epsilon, round_noise_multiplier  # noqa: E402
 from loomtrain.federated.server import FederatedServer, decode_update  # noqa: E402
 from loomtrain.federated.settings import FLSettings  # noqa: E402
 from loomtrain.federated.state import STATE_FILE, ServerState, load_state, save_state  # noqa: E402
@@ -145,6 +146,7 @@ def test_fedadam_step_follows_reddi_et_al(tmp_path):
         (["--secure", "mask", "--compress", "topk"], "--compress topk with --secure mask"),
         (["--secure", "mask", "--clients", "3", "--fraction", "0.3"], "--secure mask needs at least 2 clients"),
         (["--fraction", "0"], "--fraction 0.0: must lie in (0, 1]"),
+        (["--dp-clip", "1", "--dp-noise", "1", "--dp-delta", "1"], "--dp-delta 1.0: must lie in (0, 1)"),
     ],
 )
 def test_fl_run_rejects_bad_flags(flags, needle, capsys, tmp_path):
@@ -162,3 +164,32 @@ def test_fl_keys_writes_client_and_server_contexts(tmp_path, capsys):
     assert cli.main(["fl", "keys", "--clients", "3", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["client_0.ctx", "client_1.ctx", "client_2.ctx", "server.ctx"]
     assert not ckks.load_context(tmp_path / "server.ctx").has_secret_key()
+
+
+def test_round_noise_multiplier_follows_what_the_server_sees():
+    """Catches: ε computed from the clients' nominal z whatever the server sees: each update in the
+    clear under `none` (z/√m), a sum missing the dropped clients' noise, or a weighted sum in which
+    a large client's update stands out of the others' noise (both smaller than z)."""
+    assert round_noise_multiplier(1.0, 4, [1, 1, 1, 1], "none") == pytest.approx(0.5)
+    assert round_noise_multiplier(1.0, 4, [1, 1, 1, 1], "mask") == pytest.approx(1.0)
+    assert round_noise_multiplier(1.0, 4, [3, 3], "ckks") == pytest.approx(np.sqrt(2 / 4))
+    assert round_noise_multiplier(1.0, 2, [3, 1], "mask") == pytest.approx(np.sqrt(10) / (np.sqrt(2) * 3))
+    with pytest.raises(ValueError, match="weights"):
+        round_noise_multiplier(1.0, 2, [1, 1, 1], "mask")
+
+
+def test_epsilon_composes_rounds_with_opacus_rdp():
+    """Catches: rounds not composed (ε flat over rounds), subsampling ignored, a noiseless round given
+    a finite ε, or a δ outside (0, 1) accepted. Reference: Opacus's RDPAccountant stepped directly."""
+    from opacus.accountants import RDPAccountant
+
+    history = [[1.1, 0.5]] * 5
+    reference = RDPAccountant()
+    for z, q in history:
+        reference.step(noise_multiplier=z, sample_rate=q)
+    assert epsilon(history, 1e-5) == pytest.approx(reference.get_epsilon(1e-5))
+    assert epsilon(history[:1], 1e-5) < epsilon(history[:3], 1e-5) < epsilon(history, 1e-5)
+    assert epsilon([[1.1, 0.2]] * 5, 1e-5) < epsilon(history, 1e-5)
+    assert epsilon([[0.0, 0.5]], 1e-5) == float("inf") and epsilon([], 1e-5) == 0.0
+    with pytest.raises(ValueError, match="--dp-delta"):
+        epsilon(history, 1.0)

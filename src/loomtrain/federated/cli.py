@@ -43,6 +43,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-ratio", type=float, default=d.topk_ratio, help="fraction of values kept by topk")
     p.add_argument("--dp-clip", type=float, default=0.0, help="client-side DP: L2 clipping norm of the update")
     p.add_argument("--dp-noise", type=float, default=0.0, help="client-side DP: Gaussian noise multiplier z")
+    p.add_argument("--dp-delta", type=float, default=d.dp_delta, help="client-side DP: δ of the ε reported per round")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the split, the model and the sampling")
     p.add_argument("--drop", action="append", default=[], metavar="CLIENT@ROUND:STAGE",
                    help="fault injection: that client disconnects at that stage (fit, mask_input, ...)")  # fmt: skip

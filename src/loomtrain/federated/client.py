@@ -207,14 +207,17 @@ def fit(msg: Message, context: Context) -> Message:
     except ValueError as e:
         return _rejected(msg, client, e)
     weight = float(task.n_examples(client))
+    base = start if start is not None else flat_params(task.build_model())
     if ctx is not None:
         from loomtrain.federated.secure import ckks
 
         share = float(msg.content["weight"]["share"])  # this client's share of the round's examples, <= 1
-        ct = ckks.encrypt(ctx, result.params, share)
+        # The model whose change from the global one is clipped and noised (every client starts from
+        # the same global model, so the encrypted weighted sum is the global model plus the noised mean).
+        params = base + privatize(result.params - base, s) if s.dp_clip > 0 else result.params
+        ct = ckks.encrypt(ctx, params, share)
         records = {"update_ct": ConfigRecord({"ct": ct})}
     else:
-        base = start if start is not None else flat_params(task.build_model())
         records = {"update": arrays(_compressed(result.params - base, s, context))}
     seconds = time.perf_counter() - t0
     return _reply(msg, rnd, records, client, n_examples=weight, train_loss=result.loss, compute_s=seconds)

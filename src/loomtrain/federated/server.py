@@ -31,6 +31,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from loomtrain.federated.compress import CompressedUpdate
+from loomtrain.federated.privacy import epsilon, round_noise_multiplier
 from loomtrain.federated.settings import FLSettings
 from loomtrain.federated.state import ServerState, load_state, save_state
 from loomtrain.federated.wire import FederatedError, arrays, payload_bytes, unpack
@@ -44,7 +45,9 @@ HELLO_TIMEOUT_S = 120.0
 @dataclass
 class RoundLog:
     """One accounting row: bytes (payload, see :mod:`loomtrain.federated.wire`) down/up per client,
-    client compute seconds per client, server compute seconds, wall seconds, losses, events."""
+    client compute seconds per client, server compute seconds, wall seconds, losses, events; under
+    ``--dp-noise``, the round's noise multiplier and the run's ε so far at ``--dp-delta``
+    (:mod:`loomtrain.federated.privacy`)."""
 
     round: int
     clients: list[int] = field(default_factory=list)
@@ -57,6 +60,8 @@ class RoundLog:
     test_loss: float = float("nan")
     test_accuracy: float = float("nan")
     events: list[dict] = field(default_factory=list)
+    dp_noise_multiplier: float | None = None
+    dp_epsilon: float | None = None
 
     def add_bytes(self, client: int, down: int, up: int) -> None:
         """Count one message exchange of ``client``: ``down``/``up`` payload bytes."""
@@ -191,6 +196,7 @@ class FederatedServer:
         server_s, losses = aggregate(self, rnd, rlog)
         rlog.server_compute_s = server_s
         rlog.train_loss = float(np.mean(losses)) if losses else float("nan")
+        self._account(rlog)
         self._evaluate(rnd, rlog)
         rlog.wall_s = time.perf_counter() - t0
         self.state.round = rnd
@@ -198,6 +204,17 @@ class FederatedServer:
         with open(self.out / METRICS_FILE, "a") as f:
             f.write(json.dumps(dataclasses.asdict(rlog)) + "\n")
         log.info("round %d: test loss %.4f acc %.4f", rnd, rlog.test_loss, rlog.test_accuracy)
+
+    def _account(self, rlog: RoundLog) -> None:
+        """Add the round to the privacy ledger and record its noise multiplier and the run's ε; the
+        clients whose update was aggregated are those with a compute time."""
+        if self.s.dp_noise <= 0:
+            return
+        weights = [float(self.examples[c]) for c in rlog.client_compute_s]
+        m = self.s.sampled()  # the clients scaled their noise by it (client.py's privatize)
+        z = round_noise_multiplier(self.s.dp_noise, m, weights, self.s.secure)
+        self.state.privacy.append([z, m / self.s.clients])
+        rlog.dp_noise_multiplier, rlog.dp_epsilon = z, epsilon(self.state.privacy, self.s.dp_delta)
 
     def _fit(self, rnd: int, rlog: RoundLog, extra: Callable[[int], dict] | None = None) -> dict[int, Message]:
         """Send ``train.fit`` with the global model to the round's clients; client id → reply."""

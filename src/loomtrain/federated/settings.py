@@ -21,7 +21,8 @@ class FLSettings:
     ``lr``/``local_steps``/``batch_size`` of 0 take the task's default (:data:`TASK_DEFAULTS`).
     ``proximal_mu``: FedProx's μ (Li et al., MLSys 2020, eq. 2), used by ``fedprox`` only.
     ``server_lr``, ``beta1``, ``beta2``, ``tau``: FedAdam's η, β₁, β₂, τ (Reddi et al., ICLR 2021, Alg. 2).
-    ``dp_clip`` (L2 norm) and ``dp_noise`` (noise multiplier z): client-side Gaussian mechanism, 0 = off.
+    ``dp_clip`` (L2 norm) and ``dp_noise`` (noise multiplier z): client-side Gaussian mechanism, 0 = off;
+    ``dp_delta``: the δ at which each round's cumulative ε is reported (``federated/privacy.py``).
     ``drop``: fault injection, ``"client@round:stage"`` items (stage ``fit``, ``mask_input`` ...): that
     client disconnects (raises) when it gets that stage of that round.
     ``mask_clip``: masking's fixed-point range: update coordinates are clipped to ±mask_clip before
@@ -48,6 +49,7 @@ class FLSettings:
     topk_ratio: float = 0.05
     dp_clip: float = 0.0
     dp_noise: float = 0.0
+    dp_delta: float = 1e-5
     seed: int = 0
     out: str = "runs/fl"
     keys: str = ""
@@ -85,6 +87,7 @@ class FLSettings:
              "use --secure none or --compress none"),
             (self.dp_clip >= 0 and self.dp_noise >= 0, "--dp-clip and --dp-noise must be >= 0"),
             (self.dp_noise == 0 or self.dp_clip > 0, "--dp-noise needs --dp-clip > 0 (the noise is scaled by it)"),
+            (0 < self.dp_delta < 1, f"--dp-delta {self.dp_delta}: must lie in (0, 1); below 1/--clients is usual"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

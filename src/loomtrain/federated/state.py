@@ -24,7 +24,9 @@ class ServerState:
     """``round``: last completed round (0: none). ``params``: global model float32 ``[N]`` (plaintext
     modes; ``None`` until the first aggregate). ``ciphertexts``: the encrypted aggregate (``ckks``).
     ``adam_m``/``adam_v``: FedAdam's moments ``[N]``. ``settings``: the run's settings as a dict, to
-    refuse resuming with different ones."""
+    refuse resuming with different ones. ``privacy``: ``[noise multiplier, sample rate]`` of each
+    completed round under ``--dp-noise`` (``federated/privacy.py``), so a resumed run's ε counts the
+    rounds before the crash."""
 
     round: int = 0
     params: np.ndarray | None = None
@@ -32,6 +34,7 @@ class ServerState:
     adam_m: np.ndarray | None = None
     adam_v: np.ndarray | None = None
     settings: dict = field(default_factory=dict)
+    privacy: list[list[float]] = field(default_factory=list)
 
 
 def save_state(directory: Path, state: ServerState) -> Path:
@@ -44,7 +47,7 @@ def save_state(directory: Path, state: ServerState) -> Path:
     if state.ciphertexts is not None:
         arrays["ct_blob"] = np.frombuffer(b"".join(state.ciphertexts), np.uint8)
         arrays["ct_sizes"] = np.array([len(c) for c in state.ciphertexts], np.int64)
-    meta = {"round": state.round, "settings": state.settings}
+    meta = {"round": state.round, "settings": state.settings, "privacy": state.privacy}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
@@ -75,4 +78,4 @@ def load_state(directory: Path) -> ServerState | None:
         blob, offsets = data["ct_blob"].tobytes(), np.cumsum(np.r_[0, data["ct_sizes"]])
         cts = [blob[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     return ServerState(meta["round"], data.get("params"), cts, data.get("adam_m"), data.get("adam_v"),
-                       meta["settings"])  # fmt: skip
+                       meta["settings"], meta.get("privacy", []))  # fmt: skip
