@@ -166,15 +166,17 @@ def test_killed_server_resumes_from_round_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_processes_match_simulation(tmp_path):
+@pytest.mark.parametrize("secure", ["ckks", "mask"])
+def test_real_processes_match_simulation(tmp_path, secure):
     """Catches: a ServerApp/ClientApp that only works inside the simulation (settings not reaching the
-    deployed apps, client ids not taken from the SuperNodes' node config): real SuperLink and SuperNode
-    processes must produce the simulation's model exactly."""
+    deployed apps, client ids not taken from the SuperNodes' node config, masking secrets lost
+    between message rounds when every message gets a new ClientApp process): real SuperLink and
+    SuperNode processes must produce the simulation's model."""
     from loomtrain.federated.deploy import run_deployment
 
-    sim = FLSettings(task="tabular", clients=2, rounds=2, secure="ckks", out=str(tmp_path / "sim"))
+    sim = FLSettings(task="tabular", clients=2, rounds=2, secure=secure, out=str(tmp_path / "sim"))
     dep = FLSettings(
-        task="tabular", clients=2, rounds=2, secure="ckks", out=str(tmp_path / "dep"), keys=str(tmp_path / "k")
+        task="tabular", clients=2, rounds=2, secure=secure, out=str(tmp_path / "dep"), keys=str(tmp_path / "k")
     )
     sim.keys = dep.keys
     ckks.write_keys(tmp_path / "k", 2)
@@ -209,3 +211,31 @@ def test_privacy_ledger_reports_epsilon_per_round_and_survives_resume(runs):
     resumed = read_metrics(runs["dp_resumed"][0].out)
     assert [r["dp_epsilon"] for r in resumed] == pytest.approx(expected)
     assert all(r["dp_epsilon"] is None for r in read_metrics(runs["none_clip"][0].out))
+
+
+@pytest.mark.slow
+def test_supernodes_on_emulated_hosts_match_simulation(tmp_path):
+    """Catches: a deployment that only works on localhost (the SuperLink bound to loopback, a SuperNode
+    dialling 127.0.0.1, `flwr run` outside the SuperLink's namespace), or masking's messages not crossing
+    the clients' links: SuperLink on host 0 and two SuperNodes on hosts 1 and 2 of an emulated cluster
+    must end where the simulation ends, and each client's link must have carried at least its payload."""
+    import uuid
+
+    from loomtrain.cluster.emulated import ClusterSpec, emulated_cluster, missing_requirements
+    from loomtrain.federated.deploy import run_deployment
+
+    if missing_requirements() is not None:
+        pytest.skip(str(missing_requirements()))
+    sim = FLSettings(task="tabular", clients=2, rounds=2, secure="mask", out=str(tmp_path / "sim"))
+    dep = FLSettings(task="tabular", clients=2, rounds=2, secure="mask", out=str(tmp_path / "dep"))
+    (sim_state,) = simulate([sim])
+    spec = ClusterSpec(hosts=3, procs_per_host=1, inter_rate="1gbit", name="f" + uuid.uuid4().hex[:6])
+    with emulated_cluster(spec, state_dir=tmp_path / "clusters") as c:
+        dep_state = run_deployment(dep, c)
+    np.testing.assert_allclose(final_params(dep, dep_state), final_params(sim, sim_state), atol=1e-6)
+    links = json.loads((tmp_path / "dep" / "links.json").read_text())
+    rows = read_metrics(dep.out)
+    for host, client in (("1", 0), ("2", 1)):
+        assert links[host]["clients"] == [client]
+        assert links[host]["up"] >= sum(r["bytes_up"][str(client)] for r in rows)
+        assert links[host]["down"] >= sum(r["bytes_down"][str(client)] for r in rows)

@@ -147,11 +147,13 @@ def test_fedadam_step_follows_reddi_et_al(tmp_path):
         (["--secure", "mask", "--clients", "3", "--fraction", "0.3"], "--secure mask needs at least 2 clients"),
         (["--fraction", "0"], "--fraction 0.0: must lie in (0, 1]"),
         (["--dp-clip", "1", "--dp-noise", "1", "--dp-delta", "1"], "--dp-delta 1.0: must lie in (0, 1)"),
+        (["--cluster", "fl"], "--cluster fl: emulated hosts run real processes; add --deployment"),
     ],
 )
 def test_fl_run_rejects_bad_flags(flags, needle, capsys, tmp_path):
     """Catches: a flag combination that cannot work (FedAdam without a plaintext mean, compression
-    before masking, masking with one client) starting a simulation instead of one error line."""
+    before masking, masking with one client, a δ outside (0, 1), emulated hosts for a simulation)
+    starting a simulation instead of one error line."""
     assert cli.main(["fl", "run", "--out", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err

@@ -230,3 +230,25 @@ def test_quantize_rejects_weights_outside_the_integer_range(weight):
     """Catches: a weight that could wrap the 32-bit sum or a fractional weight truncated silently."""
     with pytest.raises(ValueError, match="weight"):
         quantize(np.zeros(SIZE), weight, CONFIG)
+
+
+def test_clients_saved_and_restored_between_stages_aggregate_the_same():
+    """Catches: a masking client that loses a secret, a share or its U2 when saved between stages (as
+    Flower's deployment does: one process per message), which breaks unmasking of dropped clients or
+    bit-exactness; and an unreadable saved state accepted."""
+    r = Round()
+
+    def reload() -> None:
+        r.clients = {i: MaskClient.from_bytes(c.to_bytes()) for i, c in r.clients.items()}
+
+    reload()
+    r.share()
+    reload()
+    senders = IDS[2:]  # two drop after sharing: their masks are rebuilt from saved shares
+    r.mask(senders)
+    reload()
+    total, total_weight = r.unmask(senders)
+    expected = r.expected(senders)
+    assert np.array_equal(total, expected[:-1]) and total_weight == expected[-1]
+    with pytest.raises(SecureAggregationError, match="unreadable"):
+        MaskClient.from_bytes(b'{"client_id": 3}')

@@ -34,6 +34,9 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT's round checkpoint")
     p.add_argument("--deployment", action="store_true",
                    help="real processes: a Flower SuperLink and one SuperNode per client on localhost")  # fmt: skip
+    p.add_argument("--cluster", default="", metavar="NAME",
+                   help="with --deployment: run the SuperLink and SuperNodes on the hosts of emulated cluster NAME "
+                   "(loomtrain cluster up; docs/cluster.md) instead of localhost")  # fmt: skip
     p.add_argument("--local-steps", type=int, default=0, help="optimiser steps per client per round (0: task default)")
     p.add_argument("--batch-size", type=int, default=0, help="local batch size (0: task default)")
     p.add_argument("--lr", type=float, default=0.0, help="local learning rate (0: task default)")
@@ -83,13 +86,17 @@ def cmd_fl(argv: list[str]) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(FLSettings)}
     settings = FLSettings(**{k: v for k, v in vars(args).items() if k in names}).validate()
+    if args.cluster and not args.deployment:
+        raise ValueError(f"--cluster {args.cluster}: emulated hosts run real processes; add --deployment")
     # Flower's simulation imports Ray (seconds): only after the flags are known to be good.
     from loomtrain.federated.run import evaluate_params, final_params, plot, prepare, simulate
 
     if args.deployment:
+        from loomtrain.cluster.emulated import load_cluster
         from loomtrain.federated.deploy import run_deployment
 
-        run_deployment(prepare(settings))
+        cluster = load_cluster(args.cluster) if args.cluster else None  # refused before anything starts if not up
+        run_deployment(prepare(settings), cluster)
     else:
         simulate([settings])
     ev = evaluate_params(settings, final_params(settings))

@@ -35,10 +35,6 @@ from loomtrain.federated.tasks import Task, build_task, task_loss
 from loomtrain.federated.wire import arrays, unpack
 
 app = ClientApp()
-# A MaskClient lives from the key round to the unmask round of one training round. Flower keeps
-# only records in Context.state, and the key objects of `cryptography` do not serialise, so they
-# are kept here, in the client's process (simulation runs all clients in one Ray actor).
-_MASK_CLIENTS: dict[tuple[str, int, int], object] = {}
 
 
 @functools.cache
@@ -262,24 +258,32 @@ def mask_keys(msg: Message, context: Context) -> Message:
 
     s, client, rnd, _ = _start(msg, context, "mask_keys")
     mc = MaskClient(client, _mask_config(msg))
-    for stale in [k for k in _MASK_CLIENTS if k[:2] != (s.out, rnd)]:
-        del _MASK_CLIENTS[stale]  # an earlier round's secrets are never needed again
-    _MASK_CLIENTS[(s.out, rnd, client)] = mc
+    _keep_mask_client(context, s, rnd, mc)  # replaces an earlier round's: its secrets are never needed again
     return _reply(msg, rnd, {"keys": ConfigRecord(mc.advertise_keys())}, client)
 
 
-def _mask_client(s: FLSettings, rnd: int, client: int):
-    mc = _MASK_CLIENTS.get((s.out, rnd, client))
-    if mc is None:
+def _keep_mask_client(context: Context, s: FLSettings, rnd: int, mc) -> None:
+    """Keep this round's masking client in the node's ``context.state``, which Flower carries from one
+    message to the next on this node (also in deployment, where each message gets a new process)."""
+    context.state["mask"] = ConfigRecord({"out": s.out, "round": rnd, "client": mc.to_bytes()})
+
+
+def _mask_client(context: Context, s: FLSettings, rnd: int, client: int):
+    from loomtrain.federated.secure.mask import MaskClient
+
+    kept = context.state.get("mask")
+    if kept is None or (kept["out"], kept["round"]) != (s.out, rnd):
         raise ConnectionResetError(f"client {client}: no masking state for round {rnd} (restarted mid-round)")
-    return mc
+    return MaskClient.from_bytes(kept["client"])
 
 
 @app.train("mask_shares")
 def mask_shares(msg: Message, context: Context) -> Message:
     """Masking stage 1: Shamir-share the mask secrets, encrypted to each peer of the roster."""
     s, client, rnd, _ = _start(msg, context, "mask_shares")
-    out = _mask_client(s, rnd, client).share_keys(dict(msg.content["roster"]))
+    mc = _mask_client(context, s, rnd, client)
+    out = mc.share_keys(dict(msg.content["roster"]))
+    _keep_mask_client(context, s, rnd, mc)
     return _reply(msg, rnd, {"shares": ConfigRecord(out)}, client)
 
 
@@ -289,7 +293,7 @@ def mask_input(msg: Message, context: Context) -> Message:
     (uint32 ``[N+1]``)."""
     t0 = time.perf_counter()  # decryption, training, encryption/masking: all of the client's work
     s, client, rnd, task = _start(msg, context, "mask_input")
-    mc = _mask_client(s, rnd, client)
+    mc = _mask_client(context, s, rnd, client)
     try:
         start = global_model(msg, s, context, client, _model_size(task))
         result = local_train(task, client, start, s, rnd)
@@ -300,6 +304,7 @@ def mask_input(msg: Message, context: Context) -> Message:
     scaled = privatize(result.params - base, s) * float(msg.content["weight"]["share"])
     clipped = int((np.abs(scaled) > mc.config.clip).sum())
     masked = mc.masked_input(scaled, 1, dict(msg.content["forwarded"]))
+    _keep_mask_client(context, s, rnd, mc)
     seconds = time.perf_counter() - t0
     return _reply(msg, rnd, {"masked": arrays({"y": masked})}, client, train_loss=result.loss, compute_s=seconds,
                   clipped=clipped)  # fmt: skip
@@ -310,5 +315,5 @@ def mask_unmask(msg: Message, context: Context) -> Message:
     """Masking stage 3: reveal the survivors' self-mask shares and the dropped clients' key shares."""
     s, client, rnd, _ = _start(msg, context, "mask_unmask")
     request = msg.content["request"]
-    reveal = _mask_client(s, rnd, client).unmask(list(request["survivors"]), list(request["dropped"]))
+    reveal = _mask_client(context, s, rnd, client).unmask(list(request["survivors"]), list(request["dropped"]))
     return _reply(msg, rnd, {"reveal": ConfigRecord(reveal)}, client)

@@ -42,6 +42,8 @@ and ``result``, the revealed shares; the secrets it rebuilds live only inside ``
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -292,6 +294,40 @@ class MaskClient:
             "sk_from": dropped,
             "sk_share": [self._held[v][1] for v in dropped],
         }
+
+    def to_bytes(self) -> bytes:
+        """This client's round so far, secrets included (both private keys, the mask seed, the
+        shares it holds), for a runtime that does not keep the object between stages: Flower's
+        deployment starts a new ClientApp process per message, and the client keeps this in its
+        node's ``context.state``, never sends it. :meth:`from_bytes` inverts it."""
+        pairs = lambda d: {str(k): [a.hex(), b.hex()] for k, (a, b) in d.items()}  # noqa: E731
+        return json.dumps({
+            "client_id": self.client_id, "config": dataclasses.asdict(self.config),
+            "c_sk": self._c_sk.private_bytes_raw().hex(), "s_sk": self._s_sk.private_bytes_raw().hex(),
+            "b": self._b.hex(), "roster": pairs(self._roster), "held": pairs(self._held), "u2": self._u2,
+        }).encode()  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> MaskClient:
+        """The client :meth:`to_bytes` saved.
+
+        Raises:
+            SecureAggregationError: ``blob`` is not a saved client (names the fix).
+        """
+        try:
+            d = json.loads(blob)
+            client = cls(d["client_id"], MaskConfig(**d["config"]))
+            client._c_sk = X25519PrivateKey.from_private_bytes(bytes.fromhex(d["c_sk"]))
+            client._s_sk = X25519PrivateKey.from_private_bytes(bytes.fromhex(d["s_sk"]))
+            client._b = bytes.fromhex(d["b"])
+            for name in ("roster", "held"):
+                setattr(
+                    client, f"_{name}", {int(k): (bytes.fromhex(a), bytes.fromhex(b)) for k, (a, b) in d[name].items()}
+                )
+            client._u2 = [int(u) for u in d["u2"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SecureAggregationError(f"saved masking state is unreadable ({e}); restart the round") from None
+        return client
 
 
 def _pairwise_mask(private: X25519PrivateKey, peer_pk: bytes, me: int, peer: int, n: int) -> np.ndarray:
