@@ -316,4 +316,5 @@ def mask_unmask(msg: Message, context: Context) -> Message:
     s, client, rnd, _ = _start(msg, context, "mask_unmask")
     request = msg.content["request"]
     reveal = _mask_client(context, s, rnd, client).unmask(list(request["survivors"]), list(request["dropped"]))
+    del context.state["mask"]  # the round is over: its keys and seed are never needed again (Bonawitz et al. §4)
     return _reply(msg, rnd, {"reveal": ConfigRecord(reveal)}, client)
