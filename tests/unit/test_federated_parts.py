@@ -66,6 +66,21 @@ def test_local_training_is_deterministic_and_learns(tabular):
     assert tabular.evaluate(trained).loss < tabular.evaluate(start).loss
 
 
+def test_local_data_parallelism_equals_one_process(tabular):
+    """Catches: a client's data-parallel training that differs from one process on the same data (a
+    rank training on the whole batch, gradients summed instead of averaged, the proximal term counted
+    once per rank, the loss of one rank reported): 2 local gloo processes with FedProx must reach one
+    process's parameters and loss to float rounding (tolerance 1e-6 on parameters of scale ~0.1)."""
+    start = local_train(tabular, 1, None, FLSettings(local_steps=3), 1).params
+    s = FLSettings(local_steps=10, strategy="fedprox", proximal_mu=1.0)
+    one = local_train(tabular, 2, start, s, 2)
+    two = local_train(tabular, 2, start, FLSettings(**{**s.__dict__, "local_procs": 2}), 2)
+    np.testing.assert_allclose(two.params, one.params, atol=1e-6)
+    assert two.loss == pytest.approx(one.loss, rel=1e-6)
+    with pytest.raises(ValueError, match="--local-procs 3"):
+        FLSettings(local_procs=3, batch_size=32).validate()
+
+
 def test_fedprox_term_pulls_towards_the_global_model(tabular):
     """Catches: --strategy fedprox without its proximal term: with a huge μ the local model must stay
     much closer to its start than under FedAvg."""

@@ -39,6 +39,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    "(loomtrain cluster up; docs/cluster.md) instead of localhost")  # fmt: skip
     p.add_argument("--local-steps", type=int, default=0, help="optimiser steps per client per round (0: task default)")
     p.add_argument("--batch-size", type=int, default=0, help="local batch size (0: task default)")
+    p.add_argument("--local-procs", type=int, default=1,
+                   help="processes each client trains on, with loomtrain data parallelism over gloo")  # fmt: skip
     p.add_argument("--lr", type=float, default=0.0, help="local learning rate (0: task default)")
     p.add_argument("--mu", dest="proximal_mu", type=float, default=d.proximal_mu, help="FedProx proximal weight μ")
     p.add_argument("--server-lr", type=float, default=d.server_lr, help="FedAdam server learning rate η")

@@ -11,7 +11,8 @@ Message types it answers (Flower's ``<category>.<action>`` routing):
 - ``evaluate.global``: evaluate the global model (decrypting it under ``ckks``) on the task's
   held-out set.
 
-Local training runs in this process (local data parallelism over several processes is not built).
+Local training runs in this process, or with ``--local-procs k`` on ``k`` local gloo processes with
+loomtrain's data parallelism (:func:`local_train`).
 A client that cannot take part (no data, a global model of the wrong size) answers with a
 ``"rejected"`` record naming itself, which the server turns into a :class:`FederatedError`.
 """
@@ -25,10 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from loomtrain.distributed.data_parallel import apply_data_parallel
 from loomtrain.federated.compress import compress
 from loomtrain.federated.settings import FLSettings
 from loomtrain.federated.tasks import Task, build_task, task_loss
@@ -78,31 +81,70 @@ def local_train(task: Task, client: int | None, start: np.ndarray | None, s: FLS
     SGD for ``tabular``, AdamW (state fresh each round) for ``text``. With ``s.strategy == "fedprox"``
     the loss gains FedProx's proximal term ``μ/2·‖w − w_start‖²`` (Li et al., MLSys 2020, eq. 2).
     Batches are drawn from a generator seeded by (seed, round, client), so a round replays exactly.
+    With ``s.local_procs > 1`` the client trains with loomtrain's data parallelism over that many
+    local gloo processes (:func:`_data_parallel_rank`): each takes every ``k``-th row of each batch
+    and the gradients are averaged, the same steps as one process up to float rounding.
 
     Raises:
         ValueError: the client has no data, or ``start`` does not fit the model (both name the client).
+        RuntimeError, TimeoutError: a local process failed or hung (``local_procs > 1``; from ``spawn``).
     """
     t0 = time.perf_counter()
     if client is not None:
         task.check_client(client)
+    if s.local_procs > 1:
+        from loomtrain.distributed.spawn import spawn
+
+        if (task.name, task.n_clients) != (s.task, s.clients):  # the local processes rebuild it from s
+            raise ValueError(f"client {client}: task {task.name} over {task.n_clients} clients is not the "
+                             f"settings' ({s.task} over {s.clients}); the local processes would differ")  # fmt: skip
+
+        params, loss = spawn(_data_parallel_rank, s.local_procs, client, start, s, rnd, timeout_s=s.timeout_s)[0]
+    else:
+        params, loss = _train_steps(task, client, start, s, rnd)
+    return LocalResult(params, loss, time.perf_counter() - t0)
+
+
+def _data_parallel_rank(client: int | None, start: np.ndarray | None, s: FLSettings, rnd: int) -> tuple:
+    """One local process of a client's data-parallel training (inside ``spawn``'s process group)."""
+    torch.set_num_threads(1)
+    return _train_steps(cached_task(s.task, s.clients, s.seed), client, start, s, rnd, parallel=True)
+
+
+def _train_steps(task: Task, client: int | None, start: np.ndarray | None, s: FLSettings, rnd: int,
+                 parallel: bool = False) -> tuple[np.ndarray, float]:  # fmt: skip
+    """The loop of :func:`local_train`: ``(flat params, mean loss)``; with ``parallel``, this rank's rows of
+    each batch, gradients averaged over the process group by :func:`apply_data_parallel`."""
     model = task.build_model()
     if start is not None:
         load_flat(model, start, client)
+    sync = apply_data_parallel(model, dist.group.WORLD) if parallel else None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if parallel else (0, 1)
     anchor = [p.detach().clone() for p in model.parameters()]
     opt = (torch.optim.SGD if task.name == "tabular" else torch.optim.AdamW)(model.parameters(), lr=s.lr)
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + rnd * 1009 + (client if client is not None else 997))
     losses = []
     for _ in range(s.local_steps):
-        loss = task_loss(model, task.sample_batch(client, s.batch_size, gen))
+        x, y = task.sample_batch(client, s.batch_size, gen)
+        loss = task_loss(model, (x[rank::world], y[rank::world]))
         if s.strategy == "fedprox":
             loss = loss + s.proximal_mu / 2 * sum(
                 (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor, strict=True)
             )
-        opt.zero_grad(set_to_none=True)
+        if sync is None:
+            opt.zero_grad(set_to_none=True)
         loss.backward()
+        if sync is not None:
+            sync.finish_gradient_sync()  # .grad now holds the average over the ranks' rows
         opt.step()
+        if sync is not None:
+            sync.zero_grad()  # the protocol of distributed/sync.py: the buckets zeroed in place
         losses.append(loss.item())
-    return LocalResult(flat_params(model), float(np.mean(losses)), time.perf_counter() - t0)
+    mean = torch.tensor(float(np.mean(losses)))
+    if parallel:
+        dist.all_reduce(mean)
+        mean /= world
+    return flat_params(model), float(mean)
 
 
 def privatize(update: np.ndarray, s: FLSettings) -> np.ndarray:

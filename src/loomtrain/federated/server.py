@@ -88,9 +88,9 @@ class FederatedServer:
         self.state = ServerState(settings=self._identity())
 
     def _identity(self) -> dict:
-        """The settings that must match for a resume (not rounds, out, resume, drop, timeout)."""
+        """The settings that must match for a resume (not rounds, out, resume, drop, timeout, local processes)."""
         d = dataclasses.asdict(self.s)
-        return {k: v for k, v in d.items() if k not in ("rounds", "out", "resume", "drop", "timeout_s")}
+        return {k: v for k, v in d.items() if k not in ("rounds", "out", "resume", "drop", "timeout_s", "local_procs")}
 
     def run(self) -> ServerState:
         """Connect, resume if asked, run the remaining rounds; returns the final state."""

@@ -19,6 +19,7 @@ class FLSettings:
     """One federated run. Fields mirror the ``loomtrain fl run`` flags (docs/federated.md).
 
     ``lr``/``local_steps``/``batch_size`` of 0 take the task's default (:data:`TASK_DEFAULTS`).
+    ``local_procs``: processes each client trains on, with loomtrain's data parallelism (1: one).
     ``proximal_mu``: FedProx's μ (Li et al., MLSys 2020, eq. 2), used by ``fedprox`` only.
     ``server_lr``, ``beta1``, ``beta2``, ``tau``: FedAdam's η, β₁, β₂, τ (Reddi et al., ICLR 2021, Alg. 2).
     ``dp_clip`` (L2 norm) and ``dp_noise`` (noise multiplier z): client-side Gaussian mechanism, 0 = off;
@@ -38,6 +39,7 @@ class FLSettings:
     strategy: str = "fedavg"
     fraction: float = 1.0
     local_steps: int = 0
+    local_procs: int = 1
     batch_size: int = 0
     lr: float = 0.0
     proximal_mu: float = 0.01
@@ -77,6 +79,8 @@ class FLSettings:
             (self.compress in METHODS, f"--compress {self.compress!r}: use one of {', '.join(METHODS)}"),
             (self.clients >= 1, f"--clients {self.clients}: need at least 1"),
             (self.rounds >= 1, f"--rounds {self.rounds}: need at least 1"),
+            (self.local_procs >= 1 and self.batch_size % self.local_procs == 0, f"--local-procs {self.local_procs}: "
+             f"give a divisor of the batch size {self.batch_size} (each process takes an equal share of a batch)"),
             (0 < self.fraction <= 1, f"--fraction {self.fraction}: must lie in (0, 1]"),
             (self.secure != "mask" or self.sampled() >= 2, "--secure mask needs at least 2 clients per round; "
              "raise --clients or --fraction"),
