@@ -70,12 +70,14 @@ def bus_factor(op: str, n: int) -> float:
     return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
-def _flat_op(op: str) -> Callable[[torch.Tensor, torch.Tensor], object]:
+def flat_op(op: str, group: dist.ProcessGroup | None = None) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """``op`` of :data:`~loomtrain.distributed.collectives.OPS` over ``group`` (default: every rank) as a
+    call ``(out, input)`` on the buffers of :func:`collective_buffers`."""
     return {
-        "all_reduce": lambda out, t: dist.all_reduce(t),
-        "reduce_scatter": lambda out, t: dist.reduce_scatter_single(out, t),
-        "all_gather": lambda out, t: dist.all_gather_single(out, t),
-        "all_to_all": lambda out, t: dist.all_to_all_single(out, t),
+        "all_reduce": lambda out, t: dist.all_reduce(t, group=group),
+        "reduce_scatter": lambda out, t: dist.reduce_scatter_single(out, t, group=group),
+        "all_gather": lambda out, t: dist.all_gather_single(out, t, group=group),
+        "all_to_all": lambda out, t: dist.all_to_all_single(out, t, group=group),
     }[op]
 
 
@@ -88,7 +90,7 @@ def _hierarchical_op(op: str, groups: HostGroups) -> Callable[[torch.Tensor, tor
     }[op]
 
 
-def _buffers(op: str, nbytes: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def collective_buffers(op: str, nbytes: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(out, input, S)``: fp32 zeros (sums stay finite over repeats), ``S`` rounded down to
     whole chunks of ``4·n`` bytes (at least one); all-reduce works in place (empty ``out``)."""
     chunk = max(1, nbytes // (4 * n))
@@ -212,9 +214,9 @@ def run_collective_bench(
     rows = []
     for op in ops:
         for nbytes in sizes:
-            out, t, actual = _buffers(op, nbytes, n)
+            out, t, actual = collective_buffers(op, nbytes, n)
             paths = {mode: path_of(mode, op, actual) for mode in modes}
-            runs = {mode: partial(_flat_op(op) if p == FLAT else _hierarchical_op(op, groups), out, t)
+            runs = {mode: partial(flat_op(op) if p == FLAT else _hierarchical_op(op, groups), out, t)
                     for mode, p in paths.items()}  # fmt: skip
             timed = _time_modes(runs, min_iters, max_seconds_per_point, max_iters, link_counter)
             for mode, (seconds, iters, link_rate) in timed.items():

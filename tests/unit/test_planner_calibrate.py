@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
+from loomtrain.distributed.collectives import OPS
 from loomtrain.planner import calibrate as calibrate_module
 from loomtrain.planner.arch import from_model_config
 from loomtrain.planner.calibrate import (
     CURVE_BYTES,
-    CURVE_OPS,
     DISTURBED_MARK,
     cached_spec_path,
     disturbance,
@@ -150,7 +150,7 @@ def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monke
     assert len(curve) >= 5 and all(rate > 1e8 for _, rate in curve)
     assert cluster.device.memory_bytes_per_s > 1e8 and cluster.device.element_bytes == 4
     assert [size for size, _ in cluster.device.memory_curve] == [2**20, 2**22, 2**24]
-    assert {(op, g) for op, g, _ in cluster.collective_curves} == {(op, 2) for op in CURVE_OPS}
+    assert {(op, g) for op, g, _ in cluster.collective_curves} == {(op, 2) for op in OPS}
     assert all(len(points) == len(CURVE_BYTES) and min(t for _, t in points) > 0
                for _, _, points in cluster.collective_curves)  # fmt: skip
     layout = Layout(seq_len=64, micro_batch=2, dp=2, n_micro=3, precision=precision_for("fp32", 0))

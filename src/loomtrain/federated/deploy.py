@@ -137,7 +137,7 @@ def run_deployment(settings: FLSettings, cluster=None) -> ServerState:
     env = {**os.environ, "HOME": str(flower), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     app = _write_app(settings, flower, f"{where.address(0)}:{port}")
     before = where.link_bytes()
-    procs = _start_flower(settings, where, port, flower, env)
+    procs = _start_flower(settings, where, port, flower, env, bin_dir)
     try:
         with open(flower / "run.log", "wb") as log:
             submit = where.argv(0, [f"{bin_dir}/flwr", "run", str(app), "local", "--stream"])
@@ -153,9 +153,9 @@ def run_deployment(settings: FLSettings, cluster=None) -> ServerState:
     return state
 
 
-def _start_flower(settings: FLSettings, where: _Placement, port: int, flower: Path, env: dict) -> list:
-    """The SuperLink on host 0 (its state in memory: no ``--database``) and one SuperNode per client."""
-    bin_dir = str(Path(sys.executable).parent)
+def _start_flower(settings: FLSettings, where: _Placement, port: int, flower: Path, env: dict, bin_dir: str) -> list:
+    """The SuperLink on host 0 (its state in memory: no ``--database``) and one SuperNode per client,
+    Flower's commands from ``bin_dir``."""
     link = [
         f"{bin_dir}/flower-superlink",
         "--insecure",

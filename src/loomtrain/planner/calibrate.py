@@ -53,7 +53,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loomtrain.cache import cache_dir, write_atomic
-from loomtrain.collective_bench import bus_factor
+from loomtrain.collective_bench import bus_factor, collective_buffers, flat_op
+from loomtrain.distributed.collectives import OPS
 from loomtrain.hardware import device_name, usable_cpus
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec, parse_cluster_spec
 
@@ -81,7 +82,6 @@ COLLECTIVE_BYTES = 8 * 2**20
 # Message sizes of the measured collective curves: a small model's tensor-parallel activations (64 KiB
 # to 1 MiB) up to gradient buckets (8 MiB; larger ones continue the last segment's bandwidth).
 CURVE_BYTES = tuple(CURVE_CALLS)
-CURVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 LATENCY_BYTES = 4
 # A rank holding less than this share of its fair share of a core while measuring was disturbed.
 UNDISTURBED_SHARE = 0.8
@@ -169,29 +169,18 @@ def _timed_all_reduce(nbytes: int, group) -> float:
     return _mean_seconds(run, calls=COLLECTIVE_CALLS)
 
 
-def _collective_call(op: str, nbytes: int, size: int, group):
-    """A call of ``op`` in ``group`` (``size`` ranks) on fp32 buffers whose message is ``nbytes``
-    (nccl-tests' size: the all-reduced buffer, the reduce-scatter's input, the all-gather's output,
-    the all-to-all's buffer), rounded down to whole ``4·size``-byte chunks."""
-    chunk = max(1, nbytes // (4 * size))
-    full, part, out = torch.zeros(size * chunk), torch.zeros(chunk), torch.zeros(size * chunk)
-    return {
-        "all_reduce": lambda: dist.all_reduce(full, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
-        "all_gather": lambda: dist.all_gather_single(full, part, group=group),
-        "all_to_all": lambda: dist.all_to_all_single(out, full, group=group),
-    }[op]
-
-
 def _timed_collective(op: str, nbytes: int, size: int, group) -> float:
-    """Mean seconds of one ``op`` (:func:`_collective_call`) over :data:`CURVE_CALLS` calls back
+    """Mean seconds of one ``op`` in ``group`` (``size`` ranks) on the fp32 buffers of
+    :func:`~loomtrain.collective_bench.collective_buffers` whose message is ``nbytes`` (nccl-tests'
+    size, rounded down to whole ``4·size``-byte chunks), over :data:`CURVE_CALLS` calls back
     to back after one barrier, as nccl-tests time theirs: each call waits for every rank of the
     group, so the calls keep the ranks together. Not a barrier before each call with the barrier's
     own mean taken off: at 2 ranks a barrier's time varies by as much as a small message takes, and
     the difference came out at or below zero."""
-    call = _collective_call(op, nbytes, size, group)
+    out, t, _ = collective_buffers(op, nbytes, size)
+    run = flat_op(op, group)
     dist.barrier()
-    return _mean_seconds(call, calls=CURVE_CALLS[nbytes])
+    return _mean_seconds(lambda: run(out, t), calls=CURVE_CALLS[nbytes])
 
 
 def measure_collectives(ranks: int) -> tuple[dict[int, tuple[float, float]], dict[tuple[str, int], list]]:
@@ -212,7 +201,7 @@ def measure_collectives(ranks: int) -> tuple[dict[int, tuple[float, float]], dic
         latency = max(_timed_all_reduce(LATENCY_BYTES, mine) - barrier, 1e-7) / steps
         seconds = max(_timed_all_reduce(COLLECTIVE_BYTES, mine) - barrier - steps * latency, 1e-9)
         found[size] = (COLLECTIVE_BYTES / seconds * bus_factor("all_reduce", size), latency)
-        for op in CURVE_OPS:
+        for op in OPS:
             curves[op, size] = [(float(n), _timed_collective(op, n, size, mine)) for n in CURVE_BYTES]
     return found, curves
 

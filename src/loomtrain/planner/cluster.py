@@ -61,6 +61,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from loomtrain.distributed.collectives import OPS
 from loomtrain.planner.cost import DEVICES, Device, device
 from loomtrain.planner.time import Cluster, CollectiveCurve
 
@@ -70,7 +71,6 @@ _GROUP_FIELDS = ("group_sizes", "group_gb_per_s", "group_latency_us")
 _HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_latency_us", "gemm_efficiency",
                 "comm_overlap", "collectives", "core_share", *_GROUP_FIELDS}  # fmt: skip
 _CURVE_FIELDS = {"op", "group_size", "bytes", "microseconds"}
-_CURVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 _DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve",
                   "memory_curve", "source"}  # fmt: skip
 _NETWORK_FIELDS = {"inter_gb_per_s", "inter_latency_us", "link_efficiency"}
@@ -230,8 +230,8 @@ def _collective_curve(where: str, table: Any, devices_per_host: int) -> Collecti
     if not isinstance(table, dict):
         raise ClusterSpecError(f"{where}: each [[hosts.collectives]] entry must be a table")
     _unknown(where, table, _CURVE_FIELDS)
-    if table.get("op") not in _CURVE_OPS:
-        raise ClusterSpecError(f"{where}.op={table.get('op')!r}: give one of {', '.join(_CURVE_OPS)}")
+    if table.get("op") not in OPS:
+        raise ClusterSpecError(f"{where}.op={table.get('op')!r}: give one of {', '.join(OPS)}")
     size = _whole(where, table, "group_size")
     if not 2 <= size <= devices_per_host:
         raise ClusterSpecError(f"{where}.group_size={size}: give 2 to devices_per_host={devices_per_host}")

@@ -295,11 +295,27 @@ def _spans_hosts(stride: int, size: int, cluster: Cluster) -> bool:
     return size > 1 and stride * size > cluster.devices_per_host
 
 
+def activation_bytes(arch: Architecture, layout: Layout) -> float:
+    """Bytes of one ``b·(s/sp)·h`` activation of a micro-batch on one rank (``precision.activation_bytes``
+    each): what a tensor-parallel all-reduce moves, what a stage sends (over ``t``), the size the
+    elementwise kernels stream."""
+    return layout.micro_batch * layout.seq_len / layout.sp * arch.hidden * layout.precision.activation_bytes
+
+
+def stage_blocks(arch: Architecture, layout: Layout) -> int:
+    """Blocks on one pipeline rank: ``layers_per_chunk · virtual_stages``.
+
+    Raises:
+        ValueError: as :func:`~loomtrain.planner.memory.layers_per_chunk`.
+    """
+    return layers_per_chunk(arch, layout) * layout.virtual_stages
+
+
 def tp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     """One of Megatron's per-block tensor-parallel all-reduces: ``b·s·h/sp`` activations of
     ``precision.activation_bytes`` over the ``tp`` ranks (inter-host when ``tp`` exceeds a host)."""
-    nbytes = layout.micro_batch * layout.seq_len / layout.sp * arch.hidden * layout.precision.activation_bytes
-    return cluster.collective_seconds("all_reduce", nbytes, layout.tp, _spans_hosts(1, layout.tp, cluster))
+    return cluster.collective_seconds("all_reduce", activation_bytes(arch, layout), layout.tp,
+                                      _spans_hosts(1, layout.tp, cluster))  # fmt: skip
 
 
 def all_to_all_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
@@ -325,8 +341,7 @@ def vocab_parallel_seconds(arch: Architecture, layout: Layout, cluster: Cluster)
     if t == 1:
         return 0.0, 0.0
     spans, tokens = _spans_hosts(1, t, cluster), layout.micro_batch * layout.seq_len / layout.sp
-    activation = cluster.collective_seconds("all_reduce", tokens * arch.hidden * layout.precision.activation_bytes, t,
-                                            spans)  # fmt: skip
+    activation = cluster.collective_seconds("all_reduce", activation_bytes(arch, layout), t, spans)
     loss = sum(cluster.collective_seconds("all_reduce", 4 * n, t, spans) for n in (tokens + 1, 2 * tokens))
     return loss + (activation if layout.pp == 1 else 0.0), activation
 
@@ -337,10 +352,10 @@ def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     Inter-host when the pipeline group leaves a host."""
     if layout.pp == 1:
         return 0.0
-    elements = layout.micro_batch * layout.seq_len / layout.sp * arch.hidden / layout.tp
+    nbytes = activation_bytes(arch, layout) / layout.tp
     stride = layout.tp * layout.sp * layout.dp
     bandwidth, latency = cluster.link(_spans_hosts(stride, layout.pp, cluster), 2)
-    return elements * layout.precision.activation_bytes / bandwidth + latency
+    return nbytes / bandwidth + latency
 
 
 def layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float]:
@@ -372,8 +387,7 @@ def _layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tupl
     attention, attention_backward = attention_times(arch, layout.seq_len, b, t * layout.sp, dev, waves=True)
     gemm_f = sum(g.seconds(dev, True) for g in gemms) + attention
     gemm_b = sum(g.input_grad().seconds(dev, True) + g.weight_grad().seconds(dev, True) for g in gemms)
-    activation = b * layout.seq_len / layout.sp * arch.hidden * layout.precision.activation_bytes
-    elementwise = elementwise_bytes(arch, layout) / cluster.device.memory_rate(activation)
+    elementwise = elementwise_bytes(arch, layout) / cluster.device.memory_rate(activation_bytes(arch, layout))
     comm = 2 * tp_all_reduce_seconds(arch, layout, cluster) + all_to_all_seconds(arch, layout, cluster)
     forward = gemm_f + elementwise + comm
     backward = gemm_b + attention_backward + 2 * elementwise + comm
@@ -394,7 +408,7 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     n = layout.dp_shard
     if layout.zero_stage < 3 or n == 1:
         return 0.0, 0.0
-    layers = layers_per_chunk(arch, layout) * layout.virtual_stages
+    layers = stage_blocks(arch, layout)
     per_layer = device_params(arch, layout) / layers
     spans, p = _spans_hosts(layout.tp * layout.sp, n, cluster), layout.precision
     gather = layers * cluster.collective_seconds("all_gather", per_layer * p.param_bytes, n, spans)
@@ -413,7 +427,7 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
     Raises:
         ValueError: as :func:`layer_seconds` and :func:`~loomtrain.planner.memory.layers_per_chunk`.
     """
-    layers = layers_per_chunk(arch, layout) * layout.virtual_stages
+    layers = stage_blocks(arch, layout)
     layer_f, layer_b, layer_tp = layer_seconds(arch, layout, cluster)
     head = head_times(arch, layout.seq_len // layout.sp, layout.micro_batch, cluster.compute_device, layout.tp, True)
     send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
@@ -441,7 +455,7 @@ def dp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster, 
     spans = _spans_hosts(stride, ranks, cluster)
     if layout.zero_stage not in (1, 2):
         return cluster.collective_seconds("all_reduce", grad_bytes, ranks, spans)
-    units = layers_per_chunk(arch, layout) * layout.virtual_stages
+    units = stage_blocks(arch, layout)
     reduce = "all_reduce" if layout.zero_stage == 1 else "reduce_scatter"
     per_unit = (grad_bytes / units, params * layout.precision.param_bytes / units)
     return units * sum(
@@ -470,7 +484,7 @@ def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: floa
     core, ``core_share · m (t_f + t_b) / (1 - bubble)``. (Measured: pp 2 × dp 2 on 2 cores took
     1.10 s where the first form priced 1.34 s and the work is 1.01 s; docs/planner.md "Own runs".)"""
     work = n_micro * (forward + backward)
-    return max(core_share * work / (1 - bubble), work) if core_share < 1 else work / (1 - bubble)
+    return max(core_share * work / (1 - bubble), work)  # at core_share 1 the critical path: work / (1 - bubble) >= work
 
 
 def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
