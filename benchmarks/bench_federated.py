@@ -7,8 +7,7 @@ one client after another):
   runs: plain, CKKS, mask, mask with 3 of 10 clients dropping mid-round (round 10) and plain with the
   same 3 dropping (the reference it must equal), plain + int8 and plain + top-k (ratio 0.05) compression.
 - ``text``: Shakespeare by play over 4 clients, 10 rounds, ``--text-steps`` AdamW steps per client per
-  round (default 10, half the task default, to keep the benchmark under 10 minutes on 2 loaded cores);
-  runs: plain, CKKS, mask.
+  round (default: the task's 20); runs: plain, CKKS, mask.
 
 Plus the centralized baseline of each task (one party, all data, rounds × steps steps). Per run: the
 final model's test log-loss and accuracy (tabular) or validation loss (text), predictions equal to plain
@@ -19,10 +18,12 @@ Writes ``benchmarks/results/federated.json`` and ``federated_<task>.png`` beside
 issue's target ratios and, last, the text task's CKKS/plain wall-time ratio.
 
 The text task's AdamW local training amplifies float-level differences between rounds, so the
-benchmark also measures that noise floor: plain FedAvg against itself with 1e-9 relative noise on
-each round's mean (:func:`noise_floor`, in process).
+benchmark also measures, in process (:func:`in_process_checks`), that noise floor (plain FedAvg
+against itself with 1e-9 relative noise on each round's mean) and each secure aggregation's own
+error: at every round of the plain trajectory, the CKKS and masking aggregates of the same client
+models against their plain mean.
 
-    python benchmarks/bench_federated.py [--text-steps 10] [--skip-text] [--only-noise-floor]
+    python benchmarks/bench_federated.py [--text-steps 20] [--skip-text] [--only-in-process]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from loomtrain.federated.run import centralized, evaluate_params, final_params, plot, read_metrics, simulate
-from loomtrain.federated.settings import FLSettings
+from loomtrain.federated.settings import TASK_DEFAULTS, FLSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "federated.json"
@@ -102,31 +103,80 @@ def bench_task(task: str, clients: int, rounds: int, steps: int, work: Path) -> 
     return result
 
 
-def noise_floor(task: str, clients: int, rounds: int, steps: int, relative: float = 1e-9) -> dict:
-    """How far plain FedAvg itself moves when each round's mean is perturbed by Gaussian noise of
-    ``relative`` × its magnitude (about CKKS's error): in process, no Flower, the same seeded local
-    training. The secure runs cannot be expected to agree with plain FedAvg better than this."""
-    from loomtrain.federated.client import cached_task, flat_params, load_flat, local_train
+def in_process_checks(task: str, clients: int, rounds: int, steps: int, relative: float = 1e-9) -> dict:
+    """Plain FedAvg in process (no Flower, the same seeded local training), with two measurements:
+
+    - ``per_round_aggregation``: at every round, the clients' models of the plain trajectory are also
+      aggregated by CKKS (:mod:`loomtrain.federated.secure.ckks`: encrypt, sum under ``server.ctx``,
+      decrypt) and by masking's fixed-point arithmetic (:func:`~loomtrain.federated.secure.mask.quantize`
+      of each share-scaled delta, summed, dequantized: the masked sum equals this bit for bit, tests
+      and ``bench_secure_aggregation.py``); each aggregate's predictions against the plain mean's, and
+      its largest deviation relative to the largest parameter. This isolates the aggregation's own
+      error from its amplification by later local training.
+    - ``noise_floor``: how far plain FedAvg itself moves when each round's mean is perturbed by
+      Gaussian noise of ``relative`` × its magnitude (about CKKS's error). The end-to-end secure runs
+      cannot be expected to agree with plain FedAvg better than this.
+    """
+    from loomtrain.federated.client import cached_task, flat_params
 
     t = cached_task(task, clients, 0)
     s = FLSettings(task=task, clients=clients, rounds=rounds, local_steps=steps)
+    total = sum(t.n_examples(c) for c in range(clients))
+    shares = [t.n_examples(c) / total for c in range(clients)]
     rng = np.random.default_rng(0)
-    finals = []
+    trajectories, per_round = [], []
     for noise in (0.0, relative):
         g = flat_params(t.build_model())
-        total = sum(t.n_examples(c) for c in range(clients))
         for rnd in range(1, rounds + 1):
-            new = sum(t.n_examples(c) / total * local_train(t, c, g, s, rnd).params.astype(np.float64)
-                      for c in range(clients))  # fmt: skip
+            models = _client_models(t, s, g, rnd)
+            new = sum(w * m.astype(np.float64) for w, m in zip(shares, models, strict=True))
+            if noise == 0.0:
+                per_round.append(_secure_agreement(t, s, g, models, shares, new))
             g = (new * (1 + noise * rng.standard_normal(new.shape))).astype(np.float32)
-        model = t.build_model()
-        load_flat(model, g, 0)
-        finals.append((g, t.evaluate(model)))
-    (a, ea), (b, eb) = finals
-    return {"relative_perturbation_per_round": relative,
-            "max_param_deviation": float(np.abs(a - b).max() / np.abs(a).max()),
-            "same_predictions": float((ea.predictions == eb.predictions).mean()),
-            "loss_ratio": eb.loss / ea.loss}  # fmt: skip
+        trajectories.append((g, _evaluate(t, g)))
+    (a, ea), (b, eb) = trajectories
+    floor = {"relative_perturbation_per_round": relative,
+             "max_param_deviation": float(np.abs(a - b).max() / np.abs(a).max()),
+             "same_predictions": float((ea.predictions == eb.predictions).mean()),
+             "loss_ratio": eb.loss / ea.loss}  # fmt: skip
+    return {"noise_floor": floor, "per_round_aggregation": per_round}
+
+
+def _client_models(t, s: FLSettings, g: np.ndarray, rnd: int) -> list[np.ndarray]:
+    from loomtrain.federated.client import local_train
+
+    return [local_train(t, c, g, s, rnd).params for c in range(s.clients)]
+
+
+def _evaluate(t, params: np.ndarray):
+    from loomtrain.federated.client import load_flat
+
+    model = t.build_model()
+    load_flat(model, params.astype(np.float32), 0)
+    return t.evaluate(model)
+
+
+def _secure_agreement(t, s: FLSettings, g: np.ndarray, models: list[np.ndarray], shares: list[float],
+                      plain: np.ndarray) -> dict:  # fmt: skip
+    """One round's CKKS and masking aggregates of ``models`` against their plain weighted mean."""
+    from loomtrain.federated.secure import ckks
+    from loomtrain.federated.secure.mask import MaskConfig, dequantize, quantize
+
+    with tempfile.TemporaryDirectory(prefix="bench_fl_keys_") as d:
+        ckks.write_keys(Path(d), 1)
+        client, server = ckks.load_context(Path(d) / "client_0.ctx"), ckks.load_context(Path(d) / "server.ctx")
+    payloads = {c: ckks.encrypt(client, m, w) for c, (m, w) in enumerate(zip(models, shares, strict=True))}
+    by_ckks = ckks.decrypt_mean(client, ckks.aggregate(server, payloads), g.size)
+    cfg = MaskConfig(g.size, s.clients, s.clients // 2 + 1, s.mask_clip, max_weight=1)
+    summed = sum(quantize((m - g) * w, 1, cfg).astype(np.int64) for m, w in zip(models, shares, strict=True))
+    total = (summed + 2**31) % 2**32 - 2**31  # Z_2^32 words back to signed, as MaskServer.result does
+    count = int(total[-1])
+    by_mask = g + dequantize(total[:-1], count, cfg) * count / sum(shares)  # as the server's _aggregate_mask
+    reference = _evaluate(t, plain).predictions
+    scale = float(np.abs(plain).max())
+    return {name: {"same_predictions": float((_evaluate(t, agg).predictions == reference).mean()),
+                   "max_param_deviation": float(np.abs(agg - plain).max() / scale)}
+            for name, agg in (("ckks", by_ckks), ("mask", by_mask))}  # fmt: skip
 
 
 def targets(res: dict) -> dict:
@@ -151,10 +201,12 @@ def targets(res: dict) -> dict:
         for name in ("fedavg_ckks", "fedavg_mask"):
             out[f"text {name}: same predictions (>= 0.99)"] = txt[name]["same_predictions_as_fedavg"]
             out[f"text {name}: val-loss ratio to fedavg"] = txt[name]["test_loss"] / txt["fedavg"]["test_loss"]
-        if "noise_floor" in txt:
-            out["text plain FedAvg vs itself with 1e-9 noise per round: same predictions"] = txt["noise_floor"][
-                "same_predictions"
-            ]
+        if "in_process" in txt:
+            floor, rounds = txt["in_process"]["noise_floor"], txt["in_process"]["per_round_aggregation"]
+            out["text plain FedAvg vs itself with 1e-9 noise per round: same predictions"] = floor["same_predictions"]
+            for name in ("ckks", "mask"):
+                key = f"text {name} aggregate vs plain mean of the same models, worst round: same predictions (>= 0.99)"
+                out[key] = min(r[name]["same_predictions"] for r in rounds)
         out["text ckks/plain upload bytes (<= 8)"] = (
             txt["fedavg_ckks"]["bytes_up_per_client_round"] / txt["fedavg"]["bytes_up_per_client_round"]
         )
@@ -169,20 +221,24 @@ def targets(res: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text-steps", type=int, default=10, help="AdamW steps per text client per round")
+    p.add_argument("--text-steps", type=int, default=0, help="AdamW steps per text client per round (0: the task's 20)")
     p.add_argument("--skip-text", action="store_true", help="tabular only (a quick check)")
-    p.add_argument("--only-noise-floor", action="store_true", help="recompute the text noise floor into the results")
+    p.add_argument(
+        "--only-in-process",
+        action="store_true",
+        help="recompute the text task's in-process checks (noise floor, per-round aggregation)",
+    )
     args = p.parse_args()
-    if args.only_noise_floor:
+    if args.only_in_process:
         res = json.loads(RESULTS.read_text())
-        res["text"]["noise_floor"] = noise_floor("text", 4, 10, res["settings"]["text_steps"])
+        res["text"]["in_process"] = in_process_checks("text", 4, 10, res["settings"]["text_steps"])
     else:
-        res = {"settings": {"text_steps": args.text_steps}}
+        res = {"settings": {"text_steps": args.text_steps or TASK_DEFAULTS["text"]["local_steps"]}}
         with tempfile.TemporaryDirectory(prefix="bench_fl_") as work:
             res["tabular"] = bench_task("tabular", 10, 20, 10, Path(work))
             if not args.skip_text:
                 res["text"] = bench_task("text", 4, 10, args.text_steps, Path(work))
-                res["text"]["noise_floor"] = noise_floor("text", 4, 10, args.text_steps)
+                res["text"]["in_process"] = in_process_checks("text", 4, 10, args.text_steps)
     res["targets"] = targets(res)
     RESULTS.write_text(json.dumps(res, indent=1) + "\n")
     for k, v in res["targets"].items():

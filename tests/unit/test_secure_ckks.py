@@ -73,9 +73,10 @@ def test_aggregate_equals_weighted_mean_within_ckks_precision(keys):
 
 
 def test_update_larger_than_one_ciphertext_is_packed(keys):
-    """Catches: values past the first ciphertext's 2048 slots lost or misplaced (NVFlare #2687)."""
+    """Catches: values past the first ciphertext's 4096 values lost or misplaced (NVFlare #2687), a pair
+    of values split across two slots, or an odd length's last value lost (9001 + 2 values: odd)."""
     _, client, server = keys
-    size = 5000
+    size = 9001
     ups, weights = updates(2, size, seed=1)
     ups[0] = ups[0] + np.linspace(0, 0.5, size)  # position-dependent, so a shifted chunk shows
     payloads = {"a": ckks.encrypt(client, ups[0], weights[0]), "b": ckks.encrypt(client, ups[1], weights[1])}
@@ -85,11 +86,12 @@ def test_update_larger_than_one_ciphertext_is_packed(keys):
 
 
 def test_ciphertext_bytes_within_target(keys):
-    """Catches: losing the seeded (half-size) encryption or the single-prime level: ~3.8x now, >= 7.5x without."""
+    """Catches: losing the seeded (half-size) encryption, the single-prime level or the two values per
+    slot: ~1.9x now, >= 3.8x without any one of them."""
     client = keys[1]
-    size = ckks.slot_count(client) - 2  # exactly one full ciphertext
+    size = ckks.values_per_chunk(client) - 2  # exactly one full ciphertext
     payload = ckks.encrypt(client, updates(1, size)[0][0], 1.0)
-    assert len(payload) == 1 and len(payload[0]) / (4 * size) < 5.0
+    assert len(payload) == 1 and len(payload[0]) / (4 * size) < 2.5
 
 
 def squared(client_ctx, data: bytes, path) -> bytes:
@@ -113,7 +115,7 @@ def corrupt(kind: str, good: list[bytes], client_ctx, other_ctx, tmp_path) -> li
         "undecodable": lambda: [b"\x00not a ciphertext" * 40],
         "other_context": lambda: ckks.encrypt(other_ctx, update, 1.0)[:1],
         "extra_chunk": lambda: good + good,
-        "update_size_mismatch": lambda: ckks.encrypt(client_ctx, np.ones(3000), 1.0),
+        "update_size_mismatch": lambda: ckks.encrypt(client_ctx, np.ones(5000), 1.0),
         "not_bytes": lambda: ["text"],
         "other_scale": lambda: ckks.encrypt(client_ctx, update, 1.0, scale_bits=35),
     }[kind]()
@@ -156,8 +158,8 @@ def test_decrypt_under_another_key_is_refused(keys, tmp_path):
     ckks.write_keys(tmp_path, 1)
     with pytest.raises(SecureAggregationError, match="another key"):
         ckks.decrypt_mean(ckks.load_context(tmp_path / "client_0.ctx"), summed, 10)
-    with pytest.raises(SecureAggregationError, match="expected 2 for size=3000"):
-        ckks.decrypt_mean(client, summed, 3000)
+    with pytest.raises(SecureAggregationError, match="expected 2 for size=5000"):
+        ckks.decrypt_mean(client, summed, 5000)
 
 
 @pytest.mark.parametrize(
@@ -173,3 +175,17 @@ def test_encrypt_rejects_bad_update(keys, update, weight, match):
     """Catches: NaN, a 2-D tensor, a zero weight or a value that wraps the modulus encrypted without a word."""
     with pytest.raises(ValueError, match=match):
         ckks.encrypt(keys[1], update, weight)
+
+
+def test_values_at_the_bound_sum_over_max_clients_without_wrapping(keys):
+    """Catches: a value bound too loose for a sum over MAX_CLIENTS (the sum wraps mod q and decrypts to
+    noise). A full chunk of one value puts that value, times the scale, in two plaintext coefficients;
+    measured: it wraps from 1.45x the bound."""
+    _, client, server = keys
+    size = ckks.values_per_chunk(client) - 2
+    values = np.full(size, 0.99 * ckks.value_bound(client))
+    payload = ckks.encrypt(client, values, 1.0)
+    summed = ckks.aggregate(server, {c: payload for c in range(ckks.MAX_CLIENTS)})
+    weighted, total_weight, count = ckks.decrypt_sum(client, summed, size)
+    assert count == ckks.MAX_CLIENTS and abs(total_weight - ckks.MAX_CLIENTS) < 1e-3
+    np.testing.assert_allclose(weighted, ckks.MAX_CLIENTS * values, rtol=1e-6)
