@@ -338,11 +338,11 @@ DEFAULT_INNER_STEPS = {"local_sgd": 8, "diloco": 500, "streaming_diloco": 100, "
 # Streaming DiLoCo (Douillard et al. 2025, Fig. 6): "3 layers per fragment across all model scales".
 BLOCKS_PER_FRAGMENT = 3
 # data_parallel fields that only streaming_diloco reads.
-STREAMING_FIELDS = ("fragments", "overlap_steps", "mixing_alpha")
+STREAMING_FIELDS = ("fragments", "fragment_pattern", "overlap_steps", "mixing_alpha")
 # Modes whose outer gradients may cross the dp group quantized (data_parallel.outer_grad_dtype).
 QUANTIZED_OUTER_MODES = ("diloco", "streaming_diloco")
 # data_parallel fields that only async reads.
-ASYNC_FIELDS = ("max_staleness", "staleness_policy")
+ASYNC_FIELDS = ("max_staleness", "staleness_policy", "outer_momentum_delay")
 # Modes with an outer optimizer (outer_lr, outer_momentum, outer_nesterov).
 OUTER_OPTIMIZER_MODES = ("diloco", "streaming_diloco", "async")
 
@@ -425,6 +425,16 @@ class DataParallelConfig(_Section):
             " 2016, staleness-aware async SGD); `reject` applies it unscaled. Both reject τ > max_staleness."
         ),
     )
+    outer_momentum_delay: int = Field(
+        1,
+        ge=1,
+        description=(
+            "async only: N, the applied deltas per update of the outer momentum (Liu et al. 2024, Delayed Nesterov)."
+            " 1: a Nesterov step per delta. N > 1: each delta is applied as a plain step of learning rate"
+            " outer_lr/N, and every N-th also updates the momentum with the mean of the N deltas and applies it"
+            " (needs outer_momentum > 0 and outer_nesterov)."
+        ),
+    )
     inner_steps: int | None = Field(
         None,
         ge=1,
@@ -449,11 +459,19 @@ class DataParallelConfig(_Section):
             "diloco/streaming_diloco only: Nesterov momentum in the outer SGD (DiLoCo §3); ignored at momentum 0."
         ),
     )
+    fragment_pattern: Literal["sequential", "strided"] = Field(
+        "sequential",
+        description=(
+            "streaming_diloco only: which blocks form a fragment (Streaming DiLoCo §2.2, Fig. 2). `sequential`: F runs"
+            " of consecutive blocks; `strided`: block i in fragment i mod F. The embedding joins block 0's fragment,"
+            " the final norm and output head the last block's."
+        ),
+    )
     fragments: int | None = Field(
         None,
         ge=1,
         description=(
-            "streaming_diloco only: fragments F, each a run of consecutive transformer blocks; fragment f is"
+            "streaming_diloco only: fragments F, each a set of transformer blocks (`fragment_pattern`); fragment f is"
             " outer-synchronized every `inner_steps` steps at an offset of f·H/F steps. Unset: ⌈model.n_layers / 3⌉"
             " (3 blocks per fragment, Streaming DiLoCo Fig. 6). At most model.n_layers and `inner_steps`."
         ),
@@ -550,6 +568,16 @@ class DataParallelConfig(_Section):
             raise ValueError(
                 f"data_parallel.mixing_alpha={self.mixing_alpha} only applies with data_parallel.overlap_steps >= 1 "
                 "(without overlap the replica takes θ_global); drop it or set overlap_steps"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _delay_needs_nesterov(self) -> DataParallelConfig:
+        if self.outer_momentum_delay > 1 and (self.outer_momentum == 0 or not self.outer_nesterov):
+            raise ValueError(
+                f"data_parallel.outer_momentum_delay={self.outer_momentum_delay} delays the outer Nesterov momentum, "
+                f"but outer_momentum={self.outer_momentum}, outer_nesterov={self.outer_nesterov}: without it the "
+                "delay would only divide outer_lr by N; set outer_momentum_delay=1 or use Nesterov momentum"
             )
         return self
 

@@ -10,6 +10,8 @@ practice; a lost round, a delta of the wrong sign or a stale base moves the para
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ from loomtrain.distributed.async_dp import (
     AsyncOuter,
     AsyncTimeoutError,
     AsyncWorker,
+    DelayedNesterov,
     ParameterServer,
     Round,
     delta_weight,
@@ -248,6 +251,9 @@ def test_rounds_hold_the_sync_runs_tokens():
         plan_rounds(0, 3, 2)
 
 
+DELAY4 = ["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=4"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -258,11 +264,20 @@ def test_rounds_hold_the_sync_runs_tokens():
         (["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"], "tensor_parallel_degree"),
         (["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"], "pipeline_parallel_degree"),
         (["--data_parallel.mode=async", "--simulate.speed_change=3:1:0.5"], "simulate.speed_change"),
+        (
+            ["--data_parallel.mode=diloco", "--data_parallel.outer_momentum_delay=4"],
+            "data_parallel.outer_momentum_delay only applies to data_parallel.mode='async'",
+        ),
+        (["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=0"], "outer_momentum_delay"),
+        ([*DELAY4, "--data_parallel.outer_momentum=0"], "outer_momentum_delay=4 delays the outer Nesterov"),
+        ([*DELAY4, "--data_parallel.outer_nesterov=false"], "set outer_momentum_delay=1 or use Nesterov momentum"),
     ],
 )
 def test_async_config_refusals(overrides, match):
     """Catches: async settings accepted (and silently ignored) in another mode, a negative
-    bound, and async combined with sharding, tp, pp or speed changes it does not support."""
+    bound, and async combined with sharding, tp, pp or speed changes it does not support; a
+    Delayed Nesterov delay below 1, or one without Nesterov momentum (it would only divide the
+    outer learning rate by N)."""
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
 
@@ -270,7 +285,8 @@ def test_async_config_refusals(overrides, match):
 def test_async_world_checks():
     """Catches: async started on one process (no worker, or no server) or with a global batch
     the workers cannot split, which would only fail after the process group is up; and the
-    defaults (DiLoCo's outer optimizer and H, staleness bound 4, scaling) drifting."""
+    defaults (DiLoCo's outer optimizer and H, staleness bound 4, scaling, no momentum delay)
+    drifting."""
     cfg = load_config(None, ["--data_parallel.mode=async", "--training.global_batch_size=8",
                              "--training.micro_batch_size=2"])  # fmt: skip
     with pytest.raises(ConfigError, match="needs at least 2 processes.*--nproc"):
@@ -281,8 +297,135 @@ def test_async_world_checks():
     check_world(cfg, 5)
     dp = cfg.data_parallel
     assert (dp.resolved_inner_steps, dp.outer_lr, dp.outer_momentum, dp.outer_nesterov) == (500, 0.7, 0.9, True)
-    assert (dp.max_staleness, dp.staleness_policy) == (4, "scale")
+    assert (dp.max_staleness, dp.staleness_policy, dp.outer_momentum_delay) == (4, "scale", 1)
+    assert load_config(None, DELAY4).data_parallel.outer_momentum_delay == 4
     assert load_config(None, ["--data_parallel.mode=async", "--data_parallel.outer_lr=1"]).data_parallel.outer_lr == 1
+
+
+# Delayed Nesterov (DN) on the server's outer optimizer, in-process: 7 weighted deltas of 2 small tensors.
+DN_LR, DN_BETA = 0.7, 0.9
+DN_WEIGHTS = [1.0, 0.5, 1 / 3, 0.5, 1.0, 0.25, 0.5]
+
+
+def dn_deltas() -> list[torch.Tensor]:
+    """The 7 deltas (1-D fp32, 6 elements: the two parameters of :func:`dn_outer`), all different."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(6, generator=g) * 1e-2 for _ in DN_WEIGHTS]
+
+
+def dn_outer(delay: int) -> AsyncOuter:
+    """An :class:`AsyncOuter` (no group: no collective) on a 2×2 and a 2-element parameter."""
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(torch.randn(2))]
+    cfg = DataParallelConfig(mode="async", outer_lr=DN_LR, outer_momentum=DN_BETA, outer_momentum_delay=delay)
+    return AsyncOuter(params, torch.optim.SGD(params, lr=0.1, momentum=0.9), cfg)
+
+
+def dn_trajectory(outer: AsyncOuter, deltas: list[torch.Tensor], weights: list[float]) -> list[torch.Tensor]:
+    """θ_global after each delta applied with its weight."""
+    out = []
+    for delta, weight in zip(deltas, weights, strict=True):
+        outer.apply(delta.clone(), weight)
+        out.append(outer.global_flat.clone())
+    return out
+
+
+def nesterov_reference(theta: torch.Tensor, deltas: list[torch.Tensor], weights: list[float]) -> list[torch.Tensor]:
+    """The server's outer step before Delayed Nesterov: ``torch.optim.SGD`` with Nesterov, one
+    step per weighted delta."""
+    theta = theta.clone()
+    sgd = torch.optim.SGD([theta], lr=DN_LR, momentum=DN_BETA, nesterov=True)
+    out = []
+    for delta, weight in zip(deltas, weights, strict=True):
+        theta.grad = delta * weight
+        sgd.step()
+        out.append(theta.detach().clone())
+    return out
+
+
+def dn_by_hand(theta: torch.Tensor, grads: list[torch.Tensor], n: int, mean_of: int = 0,
+               step_of: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """Delayed Nesterov written out (Liu et al. 2024) in float64: each gradient g is
+    applied as θ ← θ − ε·g/N; at every N-th, m ← β·m + (sum of the last N)/N and θ moves by
+    −ε·β·m as well. ``mean_of`` / ``step_of``, if set, replace the N of the mean / of the
+    in-between step (the bugs the test must tell apart)."""
+    theta, m, window, out = theta.double(), torch.zeros_like(theta, dtype=torch.float64), [], []
+    for k, g in enumerate(grads, start=1):
+        g = g.double()
+        window.append(g)
+        theta = theta - DN_LR * g / (step_of or n)
+        if k % n == 0:
+            m = DN_BETA * m + sum(window) / (mean_of or n)
+            theta, window = theta - DN_LR * DN_BETA * m, []
+        out.append(theta)
+    return out
+
+
+def test_outer_momentum_delay_1_is_the_nesterov_step_per_delta():
+    """Catches: outer_momentum_delay = 1 (the default) changing the server's outer step at all:
+    its θ_global after each of 7 weighted deltas must equal Nesterov SGD's bit for bit, and so
+    must DelayedNesterov's own N = 1 case (its formula degenerates to the same float ops)."""
+    outer = dn_outer(1)
+    want = nesterov_reference(outer.global_flat, dn_deltas(), DN_WEIGHTS)
+    got = dn_trajectory(outer, dn_deltas(), DN_WEIGHTS)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    theta = dn_outer(1).global_flat.clone()
+    dn = DelayedNesterov([theta], DN_LR, DN_BETA, 1)
+    for delta, weight, expected in zip(dn_deltas(), DN_WEIGHTS, want, strict=True):
+        theta.grad = delta * weight
+        dn.step()
+        assert torch.equal(theta, expected)
+
+
+def test_delayed_nesterov_follows_the_hand_computed_recurrence():
+    """Catches: momentum applied at every delta (plain Nesterov per delta), the momentum buffer
+    fed the sum of the N deltas instead of their mean, a delta's weight dropped, the in-between
+    steps taken at the full learning rate, and a delta sum not reset after a momentum update.
+    N = 3, 7 weighted deltas (two momentum updates and one delta into the third window):
+    θ_global after every delta equals the recurrence within 1e-6 relative, and the first four
+    bugs' trajectories (computed here) are at least 100 times further from it than that."""
+    outer = dn_outer(3)
+    theta = outer.global_flat.clone()
+    grads = [d * w for d, w in zip(dn_deltas(), DN_WEIGHTS, strict=True)]
+    want = dn_by_hand(theta, grads, 3)
+    got = dn_trajectory(outer, dn_deltas(), DN_WEIGHTS)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-9)
+    wrong = {
+        "momentum every delta": nesterov_reference(theta, dn_deltas(), DN_WEIGHTS),
+        "sum, not mean": dn_by_hand(theta, grads, 3, mean_of=1),
+        "weights dropped": dn_by_hand(theta, dn_deltas(), 3),
+        "full lr between": dn_by_hand(theta, grads, 3, step_of=1),
+    }
+    scale = want[-1].norm().item()
+    for name, trajectory in wrong.items():
+        apart = max((a.double() - b).norm().item() for a, b in zip(trajectory, want, strict=True))
+        assert apart > 100 * 1e-6 * scale, name
+
+
+def test_delayed_nesterov_state_resumes_mid_window_bit_for_bit():
+    """Catches: the delta sum or the count of the current window (or the momentum) missing from
+    the async checkpoint state: resumed after 5 deltas (2 into the second window of N = 3),
+    through a torch.save/load round trip into a fresh AsyncOuter, the next 2 deltas (the second
+    completes the window) must give the uninterrupted run's θ_global bit for bit. Also: a state
+    saved with another outer_momentum_delay is refused with the fix."""
+    whole = dn_outer(3)
+    want = dn_trajectory(whole, dn_deltas(), DN_WEIGHTS)
+    first = dn_outer(3)
+    dn_trajectory(first, dn_deltas()[:5], DN_WEIGHTS[:5])
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(first.state_dict()), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer)
+    window = state["outer_optimizer"]["state"][0]
+    assert window["received"] == 5 and window["delta_sum"].abs().sum() > 0  # mid-window: the test is not vacuous
+    resumed = dn_outer(3)
+    resumed.load_state_dict(state)
+    got = dn_trajectory(resumed, dn_deltas()[5:], DN_WEIGHTS[5:])
+    assert all(torch.equal(a, b) for a, b in zip(got, want[5:], strict=True))
+    assert resumed.version == whole.version == 7
+    with pytest.raises(ValueError, match="resume with data_parallel.outer_momentum_delay=3"):
+        dn_outer(2).load_state_dict(state)
 
 
 # Through the trainer: one worker, 8 steps, H = 2, a checkpoint (a pause) at step 4. Marked slow: a

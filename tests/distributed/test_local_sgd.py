@@ -25,9 +25,12 @@ from loomtrain.distributed.local_sgd import (
     LocalOnlyHook,
     OuterSync,
     StreamingOuterSync,
+    block_fragment,
+    block_fragments,
     build_outer_sync,
     check_identical,
     flatten,
+    fragment_runs,
     outer_group,
     replicas_sync_inside,
     write_flat,
@@ -39,6 +42,8 @@ from tests.distributed.checks import check_result, run_checks, spawn_once
 
 CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
 CFG2 = ModelConfig(n_layers=2, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)  # streaming: up to 2 fragments
+# 4 blocks: 2 strided fragments (blocks 0, 2 and 1, 3) differ from 2 sequential ones (0-1 and 2-3).
+CFG4 = ModelConfig(n_layers=4, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
 STEPS, RTOL = 7, 1e-6
 # Streaming DiLoCo whose outer gradients sum the same in any layout: bf16 rounds each element
 # alone (int8's scales span a chunk of the rows a rank holds).
@@ -46,6 +51,8 @@ STREAMING = ["--data_parallel.fragments=2", "--data_parallel.overlap_steps=1", "
 # 3 fragments of test_pipeline's 8 blocks (0-2, 3-5, 6-7): a pp 2 stage (blocks 0-3 or 4-7) holds
 # one fragment whole, part of another and none of the third.
 STREAMING_F3 = ["--data_parallel.fragments=3", *STREAMING[1:]]
+# Strided, the same 3 fragments of 8 blocks are 0, 3, 6 / 1, 4, 7 / 2, 5: each pp 2 stage holds part of every one.
+STRIDED_F3 = [*STREAMING_F3, "--data_parallel.fragment_pattern=strided"]
 INT8 = ["--data_parallel.outer_grad_dtype=int8"]
 
 
@@ -239,13 +246,16 @@ def streaming_f1_equals_diloco():
     return runs
 
 
-def streaming_run(dtype: str, overlap: int, stop: int = STEPS, start=None) -> dict:
-    """Streaming DiLoCo with F = 2 fragments, H = 4 (offsets 0 and 2), the last of ``STEPS``
-    steps forced. Per step, after the outer sync's turn: each fragment's replica spread and
-    θ_global spread, the bytes sent, whether θ_global's fragment changed. ``stop`` ends early
-    and returns the state instead; ``start`` = ``(step, state)`` resumes."""
-    model, sync, opt = make_model("adamw", LocalOnlyHook(), CFG2)
-    outer = streaming(model, opt, sync.hook, inner_steps=4, fragments=2, overlap_steps=overlap, outer_grad_dtype=dtype)
+def streaming_run(dtype: str, overlap: int, stop: int = STEPS, start=None, pattern: str = "sequential",
+                  cfg: ModelConfig = CFG2) -> dict:  # fmt: skip
+    """Streaming DiLoCo with F = 2 fragments (``pattern``) of ``cfg``'s blocks, H = 4 (offsets 0
+    and 2), the last of ``STEPS`` steps forced. Per step, after the outer sync's turn: each
+    fragment's replica spread and θ_global spread, the bytes sent, whether θ_global's fragment
+    changed. ``stop`` ends early and returns the state instead; ``start`` = ``(step, state)``
+    resumes."""
+    model, sync, opt = make_model("adamw", LocalOnlyHook(), cfg)
+    outer = streaming(model, opt, sync.hook, inner_steps=4, fragments=2, overlap_steps=overlap, outer_grad_dtype=dtype,
+                      fragment_pattern=pattern)  # fmt: skip
     params, first = list(model.parameters()), 0
     if start is not None:
         first, state = start
@@ -256,10 +266,11 @@ def streaming_run(dtype: str, overlap: int, stop: int = STEPS, start=None) -> di
         sent, theta = outer.hook.bytes_sent, outer.global_flat.clone()
         outer.after_inner_step(force=s == STEPS - 1)
         rec["sent"].append(outer.hook.bytes_sent - sent)
-        rec["spread"].append([gathered_spread(params[p]) for p, _ in outer.spans])
+        rec["spread"].append([gathered_spread(outer.fragment_params(f)) for f in range(len(outer.runs))])
         rec["global_spread"].append(gathered_spread(outer.global_flat))
-        rec["moved"].append([not torch.equal(outer.global_flat[e], theta[e]) for _, e in outer.spans])
-    rec["numels"] = [e.stop - e.start for _, e in outer.spans]
+        rec["moved"].append([any(not torch.equal(outer.global_flat[e], theta[e]) for _, e in runs)
+                             for runs in outer.runs])  # fmt: skip
+    rec["numels"] = [sum(e.stop - e.start for _, e in runs) for runs in outer.runs]
     rec["params"] = flatten(params)
     if stop < STEPS:
         rec["state"] = copy.deepcopy(outer.state_dict())
@@ -267,13 +278,49 @@ def streaming_run(dtype: str, overlap: int, stop: int = STEPS, start=None) -> di
     return rec
 
 
-def streaming_resume_in_flight():
+def streaming_resume_in_flight(pattern: str = "sequential", cfg: ModelConfig = CFG2):
     """bf16, τ = 1: stopped after step 2 (fragment 1's all-reduce in flight), resumed into a
     fresh model, optimizer and outer sync, against the uninterrupted run."""
-    whole = streaming_run("bf16", 1)
-    stopped = streaming_run("bf16", 1, stop=2)
-    resumed = streaming_run("bf16", 1, start=(2, stopped["state"]))
+    whole = streaming_run("bf16", 1, pattern=pattern, cfg=cfg)
+    stopped = streaming_run("bf16", 1, stop=2, pattern=pattern, cfg=cfg)
+    resumed = streaming_run("bf16", 1, start=(2, stopped["state"]), pattern=pattern, cfg=cfg)
     return whole, stopped["in_flight"], resumed
+
+
+def strided_sync_averages() -> list[list[tuple[float, float]]]:
+    """Strided streaming with outer lr 1 and no momentum (a sync then sets the fragment to the
+    replicas' mean, as local SGD does), F = 2 of 4 blocks, H = 4, τ = 0, fp32, the last of
+    ``STEPS`` steps forced. Per step and fragment: the largest difference of this rank's
+    fragment after the outer sync's turn from the replicas' mean before it, and from its own
+    values before it."""
+    model, sync, opt = make_model("adamw", LocalOnlyHook(), CFG4)
+    outer = streaming(model, opt, sync.hook, inner_steps=4, fragments=2, overlap_steps=0, outer_lr=1.0,
+                      outer_momentum=0.0, fragment_pattern="strided")  # fmt: skip
+    out = []
+    for s in range(STEPS):
+        inner_step(model, sync, opt, s)
+        before = [flatten(outer.fragment_params(f)) for f in range(2)]
+        means = [x.clone() for x in before]
+        for x in means:
+            dist.all_reduce(x)
+            x.div_(dist.get_world_size())
+        outer.after_inner_step(force=s == STEPS - 1)
+        after = [flatten(outer.fragment_params(f)) for f in range(2)]
+        out.append([((a - m).abs().max().item(), (a - b).abs().max().item())
+                    for a, m, b in zip(after, means, before, strict=True)])  # fmt: skip
+    return out
+
+
+def strided_state_refused_by_sequential():
+    """A strided run's checkpoint state loaded by a sequential run of the same F: the error."""
+    state = streaming_run("fp32", 0, stop=2, pattern="strided", cfg=CFG4)["state"]
+    model, sync, opt = make_model("adamw", LocalOnlyHook(), CFG4)
+    outer = streaming(model, opt, sync.hook, inner_steps=4, fragments=2, overlap_steps=0)
+    try:
+        outer.load_state_dict(state)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def diloco_quantized():
@@ -289,7 +336,7 @@ def diloco_quantized():
             inner_step(model, sync, opt, s)
             outer.after_inner_step(force=s == STEPS - 1)
         params, outers[dtype] = flatten(list(model.parameters())), outer
-        runs[dtype] = {"kind": type(outer).__name__, "fragments": len(getattr(outer, "spans", [None])),
+        runs[dtype] = {"kind": type(outer).__name__, "fragments": len(getattr(outer, "runs", [None])),
                        "outer_steps": outer.outer_steps, "params": params, "sent": sync.hook.bytes_sent,
                        "spread": gathered_spread(params)}  # fmt: skip
     refused = []
@@ -310,6 +357,11 @@ def streaming_checks() -> dict:
         "overlap_bf16": lambda: streaming_run("bf16", 1),
         "overlap_int8": lambda: streaming_run("int8", 1),
         "resume_in_flight": streaming_resume_in_flight,
+        "strided_fp32": lambda: streaming_run("fp32", 0, pattern="strided", cfg=CFG4),
+        "sequential_fp32_4_blocks": lambda: streaming_run("fp32", 0, cfg=CFG4),
+        "strided_resume_in_flight": lambda: streaming_resume_in_flight("strided", CFG4),
+        "strided_state_refused": strided_state_refused_by_sequential,
+        "strided_sync_averages": strided_sync_averages,
     })  # fmt: skip
 
 
@@ -628,6 +680,8 @@ def local_tp_cases() -> dict:
         "diloco_int8_h2_r2_zero3": lambda: train_local_tp("diloco", [*r2, *zero(3), *INT8], 2, True),
         "streaming_f3_h3_r2": lambda: train_local_tp("streaming_diloco", [*r2, *STREAMING_F3], 3, True),
         "streaming_f3_h3_pp2": lambda: train_local_tp("streaming_diloco", [*pp2, *STREAMING_F3], 3, True),
+        "strided_f3_h3_r2": lambda: train_local_tp("streaming_diloco", [*r2, *STRIDED_F3], 3, True),
+        "strided_f3_h3_pp2": lambda: train_local_tp("streaming_diloco", [*pp2, *STRIDED_F3], 3, True),
     })  # fmt: skip
 
 
@@ -710,3 +764,110 @@ def test_streaming_diloco_with_pipeline_replicas_equals_whole_model_replicas():
     assert params.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"streaming pp2: {key}")
+
+
+def test_strided_streaming_diloco_with_pipeline_replicas_equals_whole_model_replicas():
+    """Catches: strided fragments on pipeline stages cut from the stage's own block count (a
+    stage would number its blocks from 0 and put them in other fragments than the whole model
+    does), a stage's blocks of one fragment synced only in part (one run of several), or a
+    pattern setting that changes nothing. 3 strided fragments of 8 blocks (0, 3, 6 / 1, 4, 7 /
+    2, 5), so each pp 2 stage holds part of every fragment; H = 3, overlap 1, bf16, as the
+    sequential test above: 2 pp 2 replicas must equal 2 replicas of 2 plain-DP ranks within
+    1e-5 relative, and differ from the sequential fragments' run by far more (at 3 steps the
+    blocks sync at other steps)."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    want, params = check_result(got, "strided_f3_h3_r2"), check_result(got, "strided_f3_h3_pp2")
+    assert params.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"strided pp2: {key}")
+    sequential = check_result(got, "streaming_f3_h3_r2")
+    assert max((want[k] - sequential[k]).abs().max().item() for k in want) > 1e-4
+
+
+def test_strided_fragments_take_every_f_th_block():
+    """Catches: strided fragments built as sequential ones (block i in ⌊i·F/B⌋ instead of i mod
+    F), the embedding or the final norm and head put elsewhere than with block 0's and the last
+    block's fragment, a pipeline stage numbering its blocks from 0 instead of model-wide, and
+    runs that drop, repeat or misplace parameters or elements (a strided fragment is several
+    ranges of the flat parameters, not one). 5 blocks, F = 3: strided 0, 1, 2, 0, 1 (head: 1),
+    sequential 0, 0, 1, 1, 2 (head: 2)."""
+    named = [(name, p.numel()) for name, p in Transformer(CFG.model_copy(update={"n_layers": 5})).named_parameters()]
+    names, numels = [name for name, _ in named], [n for _, n in named]
+    assert [block_fragment(i, 3, 5, "strided") for i in range(5)] == [0, 1, 2, 0, 1]
+    assert [block_fragment(i, 3, 5, "sequential") for i in range(5)] == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError, match="neither 'sequential' nor 'strided'"):
+        block_fragment(0, 3, 5, "interleaved")
+    per_block = len([n for n in names if n.startswith("layers.0.")])
+    fragment_of = block_fragments(names, 3, 5, "strided")
+    want = [0] + [f for f in (0, 1, 2, 0, 1) for _ in range(per_block)] + [1, 1]  # embedding; blocks; norm, head
+    assert fragment_of == want
+    assert block_fragments(names, 3, 5)[-2:] == [2, 2]
+    # The last pp stage of blocks 3-4: model-wide indices 3 and 4, fragments 0 and 1; it holds none of 2.
+    stage = [n for n in names if not n.startswith(("tok_", "layers.0.", "layers.1.", "layers.2."))]
+    assert block_fragments(stage, 3, 5, "strided") == [0] * per_block + [1] * (per_block + 2)
+    runs = fragment_runs(fragment_of, numels, 3)
+    assert [len(r) for r in runs] == [2, 2, 1]
+    pieces = sorted((p.start, p.stop, e.start, e.stop) for r in runs for p, e in r)
+    prefix = [sum(numels[:i]) for i in range(len(numels) + 1)]
+    assert all(e0 == prefix[p0] and e1 == prefix[p1] for p0, p1, e0, e1 in pieces)  # a run's elements are its params'
+    bounds = [p0 for p0, *_ in pieces] + [pieces[-1][1]]
+    assert bounds[0] == 0 and bounds[-1] == len(names) and [p1 for _, p1, *_ in pieces] == bounds[1:]  # tiled
+    stage_runs = fragment_runs(block_fragments(stage, 3, 5, "strided"), numels[-len(stage) :], 3)
+    assert stage_runs[2] == [(slice(0, 0), slice(0, 0))]  # the empty fragment keeps one empty view
+
+
+def test_strided_streaming_syncs_each_fragment_whole_and_differs_from_sequential():
+    """Catches: a strided fragment synced only in part (one of its runs left out of the
+    all-reduce or of the outer step: the replicas would stay apart on it), a run's outer
+    gradient written into another run's parameters (θ_global or the replicas would diverge),
+    a strided checkpoint resumed with its in-flight sync lost or misplaced, or by a
+    sequential run (its momenta would be those of other blocks), and a pattern that changes
+    nothing. 4 blocks, F = 2 (fragment 0: embedding, blocks 0 and 2; fragment 1: blocks 1 and 3,
+    norm, head), H = 4, τ = 0, fp32: each fragment's replicas are identical right after its own
+    sync, at sequential's steps, θ_global is identical on both replicas, each sync sends its
+    fragment's fp32 all-reduce; the final parameters differ from sequential's; with bf16 and
+    τ = 1, a resume with an all-reduce in flight continues bit for bit."""
+    results = streaming_results()
+    rec, sequential = check_result(results, "strided_fp32"), check_result(results, "sequential_fp32_4_blocks")
+    synced = [[spread == 0.0 for spread in step] for step in rec["spread"]]
+    assert synced == [[False, False], [False, True], [False, False], [True, False], [False, False],
+                      [False, True], [True, True]]  # fmt: skip
+    assert rec["global_spread"] == [0.0] * STEPS
+    n0, n1 = rec["numels"]
+    assert rec["sent"] == [0, all_reduce_bytes(4 * n1, 2), 0, all_reduce_bytes(4 * n0, 2), 0,
+                           all_reduce_bytes(4 * n1, 2), all_reduce_bytes(4 * (n0 + n1), 2)]  # fmt: skip
+    assert (rec["params"] - sequential["params"]).abs().max().item() > 1e-4
+    whole, in_flight, resumed = check_result(results, "strided_resume_in_flight")
+    assert in_flight == 1 and resumed["losses"] == whole["losses"][2:]
+    assert torch.equal(resumed["params"], whole["params"])
+    message = check_result(results, "strided_state_refused")
+    assert message is not None and "data_parallel.fragment_pattern='strided'" in message
+
+
+def test_strided_sync_with_outer_lr_1_averages_each_whole_fragment():
+    """Catches: a strided fragment's outer gradient assembled from its runs in another order
+    than its parameters (θ_global,f − θ_local,f pairing elements of different blocks), a run's
+    result written into another run's parameters, or a sync that touches the other fragment:
+    with outer lr 1 and no momentum a fragment's sync must set it to the mean of the replicas
+    (within 1e-6: fp32 rounding of θ_global − (θ_global − mean)) and leave the other fragment
+    bit for bit as it was; both fragments sync at the forced last step."""
+    steps = check_result(streaming_results(), "strided_sync_averages")
+    synced = [[False, False], [False, True], [False, False], [True, False], [False, False], [False, True], [True, True]]
+    for step, (record, want) in enumerate(zip(steps, synced, strict=True)):
+        for fragment, ((to_mean, to_own), sync) in enumerate(zip(record, want, strict=True)):
+            if sync:
+                assert to_mean < 1e-6 < to_own, (step, fragment, to_mean, to_own)
+            else:
+                assert to_own == 0.0, (step, fragment)
+
+
+def test_fragment_pattern_is_a_streaming_setting():
+    """Catches: fragment_pattern given to diloco (one fragment: nothing to stride) accepted and
+    ignored, a default other than the paper's sequential pattern, or an unknown pattern."""
+    assert load_config(None, ["--data_parallel.mode=streaming_diloco"]).data_parallel.fragment_pattern == "sequential"
+    strided = ["--data_parallel.mode=streaming_diloco", "--data_parallel.fragment_pattern=strided"]
+    assert load_config(None, strided).data_parallel.fragment_pattern == "strided"
+    with pytest.raises(ConfigError, match=re.escape("data_parallel.fragment_pattern only applies to data_parallel.mo")):
+        load_config(None, ["--data_parallel.mode=diloco", "--data_parallel.fragment_pattern=strided"])
+    with pytest.raises(ConfigError, match="fragment_pattern"):
+        load_config(None, ["--data_parallel.mode=streaming_diloco", "--data_parallel.fragment_pattern=interleaved"])

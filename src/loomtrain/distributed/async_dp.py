@@ -21,7 +21,10 @@ replicas, so one round of every worker moves ``θ_global`` about as far as one D
 step (our choice; with ``W = 1`` it is 1). ``1/(1+τ)``: staleness-aware scaling of the update
 (Zhang et al., "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016, divide the
 learning rate by τ; ``1 + τ`` leaves a fresh delta unscaled). The outer optimizer is DiLoCo's
-(Douillard et al. 2023, §3: SGD with Nesterov momentum 0.9, learning rate 0.7).
+(Douillard et al. 2023, §3: SGD with Nesterov momentum 0.9, learning rate 0.7), a Nesterov step
+per applied delta; with ``outer_momentum_delay = N > 1`` it is Liu et al.'s Delayed Nesterov
+(:class:`DelayedNesterov`): the momentum moves once per N deltas, on their mean, so a stale
+delta is not multiplied by the momentum again at every later delta.
 
 Transport: point-to-point messages on a gloo group (``dist.isend``/``dist.irecv``; the server
 receives from any source, ``src=None``, which gloo supports and NCCL does not), CPU fp32
@@ -119,13 +122,75 @@ def delta_weight(tau: int, max_staleness: int, policy: str, workers: int) -> flo
     return 1.0 / workers / (1 + tau if policy == "scale" else 1)
 
 
+class DelayedNesterov(torch.optim.Optimizer):
+    """Liu et al.'s Delayed Nesterov (DN) outer optimizer ("Asynchronous Local-SGD Training for
+    Language Modeling", arXiv:2401.09135, 2024: the delayed Nesterov momentum update, their
+    Algorithm 3): between two momentum updates a delta moves the parameters without any
+    momentum term, at learning rate ε/N. Learning rate ``lr`` (ε), momentum
+    ``momentum`` (β), ``delay`` (N ≥ 1). For the k-th gradient ``g`` set on a parameter ``θ``
+    (any shape; the server's is 1-D fp32)::
+
+        s ← s + g
+        k mod N ≠ 0:  θ ← θ − ε·g/N                             (a plain step; m untouched)
+        k mod N = 0:  m ← β·m + s/N;  θ ← θ − ε·(g/N + β·m);  s ← 0
+
+    Over N gradients θ moves by ``−ε·(s/N + β·m)``: one Nesterov step (``torch.optim.SGD``'s
+    form, ``nesterov=True``) on their mean, whose gradient part is applied as they arrive (the
+    workers get a model that already holds their deltas). The state (``m``, ``s``, ``k``) is in
+    :meth:`state_dict`, so a resume between two momentum updates continues exactly. With N = 1
+    it is that Nesterov SGD step for step (the server then uses ``torch.optim.SGD`` itself).
+
+    Raises:
+        ValueError: ``delay < 1``, ``lr <= 0`` or ``momentum`` outside [0, 1).
+    """
+
+    def __init__(self, params: list[torch.Tensor], lr: float, momentum: float, delay: int):
+        if delay < 1 or lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(
+                f"DelayedNesterov needs delay >= 1, lr > 0 and 0 <= momentum < 1 (got {delay}, {lr}, {momentum})"
+            )
+        super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        """One DN update of every parameter whose ``grad`` is set (class docstring); ``closure``
+        is not supported (``torch.optim.Optimizer``'s signature)."""
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                self._update(p, group["lr"], group["momentum"], group["delay"])
+
+    def _update(self, p: torch.Tensor, lr: float, beta: float, n: int) -> None:
+        state = self.state[p]
+        if not state:
+            state.update(momentum_buffer=torch.zeros_like(p), delta_sum=torch.zeros_like(p), received=0)
+        update = p.grad / n
+        state["delta_sum"].add_(p.grad)
+        state["received"] += 1
+        if state["received"] % n == 0:
+            buf = state["momentum_buffer"].mul_(beta).add_(state["delta_sum"] / n)
+            update.add_(buf, alpha=beta)
+            state["delta_sum"].zero_()
+        p.add_(update, alpha=-lr)
+
+
+def build_async_outer_optimizer(flat: torch.Tensor, cfg: DataParallelConfig) -> torch.optim.Optimizer:
+    """The server's outer optimizer on ``θ_global`` (``flat``): DiLoCo's ``torch.optim.SGD``
+    (Nesterov unless ``outer_nesterov`` is off or the momentum 0), or :class:`DelayedNesterov`
+    when ``outer_momentum_delay > 1``."""
+    if cfg.outer_momentum_delay > 1:
+        return DelayedNesterov([flat], cfg.outer_lr, cfg.outer_momentum, cfg.outer_momentum_delay)
+    return torch.optim.SGD([flat], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                           nesterov=cfg.outer_nesterov and cfg.outer_momentum > 0)  # fmt: skip
+
+
 class AsyncOuter:
     """The asynchronous mode's state on every rank (what the trainer checkpoints and evaluates).
 
     ``θ_global`` is one flat fp32 tensor of ``Σ p.numel()`` elements (``params`` order): on the
     server the global model, on a worker the model it last received (its delta's base). The
-    outer optimizer (``torch.optim.SGD`` with DiLoCo's defaults from ``cfg``) steps it on the
-    server only. ``group``: where the initial parameters are checked identical (a collective).
+    outer optimizer (:func:`build_async_outer_optimizer`: SGD with DiLoCo's defaults from
+    ``cfg``, or Delayed Nesterov) steps it on the server only. ``group``: where the initial
+    parameters are checked identical (a collective).
 
     Attributes:
         version: outer updates applied (server); the received model's version (worker).
@@ -143,9 +208,7 @@ class AsyncOuter:
         self.global_flat = flatten(self.params)
         if group is not None:
             check_identical(self.global_flat, group, "the initial parameters")
-        momentum = cfg.outer_momentum
-        self.outer_optimizer = torch.optim.SGD([self.global_flat], lr=cfg.outer_lr, momentum=momentum,
-                                               nesterov=cfg.outer_nesterov and momentum > 0)  # fmt: skip
+        self.outer_optimizer = build_async_outer_optimizer(self.global_flat, cfg)
         self.version = self.next_round = self.worker_steps = 0
         self.applied: Counter[int] = Counter()
         self.rejected: Counter[int] = Counter()
@@ -158,7 +221,8 @@ class AsyncOuter:
 
     @torch.no_grad()
     def apply(self, delta: torch.Tensor, weight: float) -> None:
-        """One outer step: ``θ_global ← OuterSGD(θ_global, weight·delta)``; ``delta`` is 1-D fp32."""
+        """One outer step: ``θ_global ← OuterOpt(θ_global, weight·delta)``; ``delta`` is 1-D fp32
+        (scaled in place)."""
         self.global_flat.grad = delta.mul_(weight)
         self.outer_optimizer.step()
         self.global_flat.grad = None
@@ -170,12 +234,13 @@ class AsyncOuter:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: ``mode`` ("async"), ``global`` (1-D fp32 copy),
-        ``outer_optimizer``, ``version``, ``next_round``, ``worker_steps``, ``inner_steps``, ``applied`` and
+        ``outer_optimizer`` (with Delayed Nesterov also its delta sum and count), ``version``,
+        ``next_round``, ``worker_steps``, ``inner_steps``, ``outer_momentum_delay``, ``applied`` and
         ``rejected`` (τ → count) and ``inner_optimizer`` (this rank's optimizer state)."""
         return {
             "mode": "async", "global": self.global_flat.clone(), "outer_optimizer": self.outer_optimizer.state_dict(),
             "version": self.version, "next_round": self.next_round, "worker_steps": self.worker_steps,
-            "inner_steps": self.cfg.resolved_inner_steps,
+            "inner_steps": self.cfg.resolved_inner_steps, "outer_momentum_delay": self.cfg.outer_momentum_delay,
             "applied": dict(self.applied), "rejected": dict(self.rejected),
             "inner_optimizer": self.inner_optimizer.state_dict(),
         }  # fmt: skip
@@ -188,17 +253,14 @@ class AsyncOuter:
 
         Raises:
             ValueError: the saved ``θ_global`` has another number of elements, or the state
-                was saved with another ``inner_steps`` (its round counter means other rounds).
+                was saved with another ``inner_steps`` (its round counter means other rounds)
+                or ``outer_momentum_delay`` (its outer optimizer state is another's).
         """
-        if state is not None and state.get("mode") == "async" and state["inner_steps"] != self.cfg.resolved_inner_steps:
-            raise ValueError(
-                f"the checkpoint's async state was saved with data_parallel.inner_steps={state['inner_steps']}, this "
-                f"run has {self.cfg.resolved_inner_steps}: resume with data_parallel.inner_steps={state['inner_steps']}"
-            )
         if state is None or state.get("mode") != "async":
             log.warning("no async state in the checkpoint: the loaded parameters become θ_global, outer momentum 0")
             self.global_flat.copy_(flatten(self.params))
             return
+        self._check_saved_settings(state)
         if state["global"].numel() != self.global_flat.numel():
             raise ValueError(
                 f"the checkpoint's θ_global has {state['global'].numel()} elements, this model "
@@ -210,6 +272,18 @@ class AsyncOuter:
         self.version, self.next_round, self.worker_steps = state["version"], state["next_round"], state["worker_steps"]
         self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
         write_flat(self.global_flat, self.params)
+
+    def _check_saved_settings(self, state: dict[str, Any]) -> None:
+        """Raise unless ``state`` was saved with this run's ``inner_steps`` and
+        ``outer_momentum_delay`` (1 in checkpoints written before it existed)."""
+        saved = {"inner_steps": state["inner_steps"], "outer_momentum_delay": state.get("outer_momentum_delay", 1)}
+        ours = {"inner_steps": self.cfg.resolved_inner_steps, "outer_momentum_delay": self.cfg.outer_momentum_delay}
+        for name, value in saved.items():
+            if value != ours[name]:
+                raise ValueError(
+                    f"the checkpoint's async state was saved with data_parallel.{name}={value}, this run has "
+                    f"{ours[name]}: resume with data_parallel.{name}={value}"
+                )
 
     def summary_fields(self) -> dict[str, Any]:
         """``outer_sync_s``, ``outer_steps`` and the staleness record for ``summary.json``:

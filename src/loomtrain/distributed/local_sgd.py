@@ -26,19 +26,21 @@ The trainer forces an outer step after the last training step, so a run ends wit
 Streaming DiLoCo (:class:`StreamingOuterSync`): Douillard et al., "Streaming DiLoCo with
 overlapping communication: Towards a Distributed Free Lunch" (arXiv:2501.18512, 2025). DiLoCo's
 outer step, taken on one fragment of the model at a time (§2.2, streaming partial updates): the
-model's transformer blocks are split into F runs of consecutive blocks (the paper's "sequential"
-pattern, Fig. 2; its "strided" one is not offered; under pipeline parallelism each stage takes
-its part of each fragment) and fragment f's outer step starts every H
-inner steps at an offset of f·H/F steps, so one starts every H/F steps and each sends about 1/F
-of the model. Its all-reduce overlaps the next τ inner steps (§2.3-2.4; Table 1 lets it take one
-step) and lands as ``θ_local ← α·θ_local + (1−α)·θ_global`` on that fragment (α = 0.5, Fig. 8
-and 10). The outer gradients may cross the dp group in bf16 or int8 and are summed in fp32 (the
-paper's are 4-bit floats, Fig. 11; torch has no 4-bit float arithmetic).
+model's transformer blocks are split into F fragments, runs of consecutive blocks (the paper's
+"sequential" pattern, Fig. 2) or every F-th block (its "strided" one: block i in fragment i mod
+F; ``data_parallel.fragment_pattern``); under pipeline parallelism each stage takes its part of
+each fragment. Fragment f's outer step starts every H inner steps at an offset of f·H/F steps,
+so one starts every H/F steps and each sends about 1/F of the model. Its all-reduce overlaps
+the next τ inner steps (§2.3-2.4; Table 1 lets it take one step) and lands as ``θ_local ←
+α·θ_local + (1−α)·θ_global`` on that fragment (α = 0.5, Fig. 8 and 10). The outer gradients may
+cross the dp group in bf16 or int8 and are summed in fp32 (the paper's are 4-bit floats, Fig.
+11; torch has no 4-bit float arithmetic).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import re
 import time
@@ -319,47 +321,68 @@ def count_blocks(names: list[str]) -> int:
     return 1 + max((int(m.group(1)) for name in names if (m := _BLOCK.search(name))), default=-1)
 
 
-def block_fragments(names: list[str], fragments: int, n_blocks: int) -> list[int]:
-    """The fragment (0..F−1) of each parameter named in ``names`` (``model.named_parameters()``
-    order), F = ``fragments``. The model's B = ``n_blocks`` transformer blocks (parameters named
-    ``…layers.<i>.…``) form F runs of consecutive blocks, block i
-    in fragment ⌊i·F/B⌋ (sizes differ by at most one: 24 blocks, F = 8 gives the paper's 3 blocks
-    per fragment); a parameter outside the blocks joins the fragment of the block before it (the
-    embedding, before every block, fragment 0; the final norm and output head fragment F−1; a
-    model without blocks is one fragment). Each fragment is then one contiguous run of the flat
-    parameters. A pipeline stage's ``names`` hold only its blocks (with their model-wide
-    indices ``i``), so it may hold parts of some fragments and none of others.
+def block_fragment(block: int, fragments: int, n_blocks: int, pattern: str) -> int:
+    """The fragment of transformer block ``block`` (0..B−1, B = ``n_blocks``) among F =
+    ``fragments`` (Streaming DiLoCo §2.2, Fig. 2): ``"sequential"``: F runs of consecutive
+    blocks, block i in fragment ⌊i·F/B⌋ (sizes differ by at most one: 24 blocks, F = 8 gives the
+    paper's 3 blocks per fragment); ``"strided"``: block i in fragment i mod F.
 
     Raises:
-        ValueError: fewer blocks than ``fragments``, or blocks out of order in ``names``.
+        ValueError: an unknown ``pattern``.
     """
-    blocks = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
+    if pattern == "sequential":
+        return block * fragments // n_blocks
+    if pattern == "strided":
+        return block % fragments
+    raise ValueError(f"fragment pattern {pattern!r} is neither 'sequential' nor 'strided'")
+
+
+def block_fragments(names: list[str], fragments: int, n_blocks: int, pattern: str = "sequential") -> list[int]:
+    """The fragment (0..F−1) of each parameter named in ``names`` (``model.named_parameters()``
+    order), F = ``fragments``: a block's parameters (named ``…layers.<i>.…``) that of block i of
+    the model's B = ``n_blocks`` by :func:`block_fragment`; a parameter outside the blocks joins
+    the fragment of the block before it (the embedding, before every block, block 0's: fragment
+    0; the final norm and output head the last block's: F−1 sequential, (B−1) mod F strided; a
+    model without blocks is one fragment). A pipeline stage's ``names`` hold only its blocks
+    (with their model-wide indices ``i``), so it may hold parts of some fragments and none of
+    others.
+
+    Raises:
+        ValueError: fewer blocks than ``fragments``, blocks out of order in ``names``, or an
+            unknown ``pattern``.
+    """
     if fragments > max(n_blocks, 1):
         raise ValueError(
             f"data_parallel.fragments={fragments} is more than the model's {n_blocks} transformer blocks "
             "(parameters named layers.<i>.…); set data_parallel.fragments to at most the number of blocks"
         )
-    out, current = [], 0
-    for name, b in zip(names, blocks, strict=True):
-        current = current if b is None else b * fragments // n_blocks
-        if out and current < out[-1]:
-            raise ValueError(f"parameter {name!r} comes after a later block's: fragments must be contiguous")
+    out, current, last = [], 0, -1
+    for name in names:
+        if m := _BLOCK.search(name):
+            block = int(m.group(1))
+            if block < last:
+                raise ValueError(f"parameter {name!r} comes after a later block's: blocks must be in order")
+            last, current = block, block_fragment(block, fragments, n_blocks, pattern)
         out.append(current)
     return out
 
 
-def fragment_spans(fragment_of: list[int], numels: list[int], fragments: int) -> list[tuple[slice, slice]]:
-    """For each of the ``fragments`` fragments (ids in ``fragment_of``, non-decreasing, one per
-    parameter of ``numels`` elements): its parameters (a slice of the parameter list) and its
-    elements (a slice of the flat fp32 parameters); both empty for a fragment this rank holds
-    none of (a pipeline stage)."""
-    spans, first, offset = [], 0, 0
-    for f in range(fragments):
-        last = first + fragment_of.count(f)
-        size = sum(numels[first:last])
-        spans.append((slice(first, last), slice(offset, offset + size)))
-        first, offset = last, offset + size
-    return spans
+def fragment_runs(fragment_of: list[int], numels: list[int], fragments: int) -> list[list[tuple[slice, slice]]]:
+    """For each of the ``fragments`` fragments (ids in ``fragment_of``, one per parameter of
+    ``numels`` elements): its runs, the maximal ranges of consecutive parameters in it, in order,
+    each as a slice of the parameter list and a slice of the flat fp32 parameters. A sequential
+    fragment is one run, a strided one a run per block (the embedding or the head in its
+    block's). A fragment this rank holds none of (a pipeline stage) is one empty run: the outer
+    optimizer keeps one empty view for it, so its state has one entry per fragment as
+    checkpoints of the sequential pattern always had."""
+    runs: list[list[tuple[slice, slice]]] = [[] for _ in range(fragments)]
+    first = offset = 0
+    for f, group in itertools.groupby(fragment_of):
+        count = len(list(group))
+        size = sum(numels[first : first + count])
+        runs[f].append((slice(first, first + count), slice(offset, offset + size)))
+        first, offset = first + count, offset + size
+    return [r or [(slice(0, 0), slice(0, 0))] for r in runs]
 
 
 def encode_outer(x: torch.Tensor, numels: list[int], dtype: str) -> torch.Tensor:
@@ -423,12 +446,13 @@ class InFlight:
 class StreamingOuterSync(OuterSync):
     """Streaming DiLoCo's outer loop over one dp ``group`` (module docstring; settings from
     ``cfg``: ``inner_steps`` H, ``fragments`` F, ``overlap_steps`` τ, ``mixing_alpha`` α,
-    ``outer_grad_dtype``, the outer SGD's). ``named``: the trainable ``(name, parameter)`` pairs
-    in ``model.named_parameters()`` order, split by :func:`block_fragments`; ``n_blocks``: the
-    whole model's transformer blocks (unset: counted from ``named``, which must then hold them
-    all). On a pipeline stage ``named`` is the stage's and ``group`` its dp group (the same
-    stage of every replica): a fragment's outer step there covers the stage's part of it, and a
-    fragment the stage holds none of is a step without communication.
+    ``outer_grad_dtype``, the outer SGD's). ``named``: the trainable ``(name, parameter)``
+    pairs in ``model.named_parameters()`` order, split by :func:`block_fragments` (by
+    ``cfg.fragment_pattern``); ``n_blocks``: the whole model's transformer blocks (unset:
+    counted from ``named``, which must then hold them all). On a pipeline stage ``named`` is
+    the stage's and ``group`` its dp group (the same stage of every replica): a fragment's
+    outer step there covers the stage's part of it, and a fragment the stage holds none of is a
+    step without communication.
 
     After inner step t (counted from the start), fragment f = the one whose offset ``f·H//F``
     is ``t mod H`` starts: its outer gradient ``θ_global,f − θ_local,f`` is all-reduced with
@@ -441,8 +465,10 @@ class StreamingOuterSync(OuterSync):
     Attributes (beyond :class:`OuterSync`'s):
         inner_done: inner steps since the start (the schedule's clock; not reset by a sync).
         outer_steps: fragment outer steps applied.
-        spans: per fragment, its parameters (slice of ``params``) and elements (slice of
-            ``θ_global``).
+        pattern: ``cfg.fragment_pattern`` ("sequential" or "strided", :func:`block_fragment`).
+        runs: per fragment, its runs of consecutive parameters (:func:`fragment_runs`: slices
+            of ``params`` and of ``θ_global``).
+        views: per fragment, its runs' views of ``θ_global`` (the outer SGD's parameters).
         pending: the started, not yet applied :class:`InFlight` all-reduces, oldest first.
         wait_s: seconds spent waiting for (and decoding) outer collectives before applying them.
 
@@ -464,8 +490,9 @@ class StreamingOuterSync(OuterSync):
                 f"data_parallel.fragments={fragments} is more than data_parallel.inner_steps={h}: the fragments sync "
                 "at distinct steps of each period; lower fragments or raise inner_steps"
             )
-        fragment_of = block_fragments(names, fragments, n_blocks)
-        self.spans = fragment_spans(fragment_of, [held(p).numel() for p in params], fragments)
+        self.pattern = cfg.fragment_pattern
+        fragment_of = block_fragments(names, fragments, n_blocks, self.pattern)
+        self.runs = fragment_runs(fragment_of, [held(p).numel() for p in params], fragments)
         self.offsets = {f * h // fragments: f for f in range(fragments)}
         self.overlap_steps, self.mixing_alpha, self.outer_grad_dtype = (
             cfg.overlap_steps, cfg.mixing_alpha, cfg.outer_grad_dtype,
@@ -476,10 +503,17 @@ class StreamingOuterSync(OuterSync):
                          cfg.outer_nesterov, hook, written)  # fmt: skip
 
     def _build_outer_optimizer(self, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
-        """One outer SGD whose parameters are the fragments' views of ``θ_global``: stepping it
-        with only fragment f's gradient set updates only that view and its momentum buffer."""
-        self.views = [self.global_flat[elements] for _, elements in self.spans]
-        return torch.optim.SGD(self.views, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+        """One outer SGD whose parameters are the fragments' runs' views of ``θ_global`` (in
+        fragment order): stepping it with only fragment f's gradients set updates only its views
+        and their momentum buffers (SGD is elementwise: a fragment of several views steps as one
+        tensor would)."""
+        self.views = [[self.global_flat[elements] for _, elements in runs] for runs in self.runs]
+        flat_views = [view for views in self.views for view in views]
+        return torch.optim.SGD(flat_views, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    def fragment_params(self, fragment: int) -> list[nn.Parameter]:
+        """The parameters of ``fragment`` on this rank, in ``params`` order."""
+        return [p for params, _ in self.runs[fragment] for p in self.params[params]]
 
     def after_inner_step(self, force: bool = False) -> bool:
         """Count one inner step; apply the outer steps due now (started τ steps ago); start the
@@ -507,7 +541,7 @@ class StreamingOuterSync(OuterSync):
         full DiLoCo outer step, sent fragment by fragment): every replica then holds
         ``θ_global``. A collective over :attr:`group`."""
         self._land(lambda entry: True)
-        for fragment in range(len(self.spans)):
+        for fragment in range(len(self.runs)):
             self._apply(self._start(fragment), mix=False)
 
     def _land(self, due: Callable[[InFlight], bool]) -> None:
@@ -520,11 +554,12 @@ class StreamingOuterSync(OuterSync):
     def _start(self, fragment: int) -> InFlight:
         """Start the all-reduce of ``fragment``'s outer gradient ``θ_global,f − θ_local,f``.
         Counts its bytes in :attr:`hook` (``dense_bytes``: the fp32 all-reduce's)."""
-        params, elements = self.spans[fragment]
+        params = self.fragment_params(fragment)
         apply_at = self.inner_done + self.overlap_steps
-        if elements.start == elements.stop:  # none of it on this pipeline stage (nor its dp group's: the same)
-            return InFlight(fragment, apply_at, None, None, self.global_flat[elements].clone())
-        delta = self.global_flat[elements] - flatten(self.params[params])
+        delta = torch.cat(self.views[fragment])  # θ_global,f: a new 1-D tensor
+        if delta.numel() == 0:  # none of it on this pipeline stage (nor its dp group's: the same)
+            return InFlight(fragment, apply_at, None, None, delta)
+        delta.sub_(flatten(params))
         n = dist.get_world_size(self.group)
         self.hook.dense_bytes += all_reduce_bytes(4 * delta.numel(), n)
         if self.outer_grad_dtype == "fp32":
@@ -532,7 +567,7 @@ class StreamingOuterSync(OuterSync):
             work = dist.all_reduce(delta, group=self.group, async_op=True)
             return InFlight(fragment, apply_at, work, lambda: delta)
         # This rank's rows of each tensor (held): with ZeRO inside a replica, a shard of it.
-        numels = [held(p).numel() for p in self.params[params]]
+        numels = [held(p).numel() for p in params]
         payload = encode_outer(delta, numels, self.outer_grad_dtype)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
         parts = list(gathered.chunk(n))
@@ -550,31 +585,37 @@ class StreamingOuterSync(OuterSync):
         total = entry.wait()
         synchronize(self.global_flat.device)
         self.wait_s += time.perf_counter() - start
-        params, _ = self.spans[entry.fragment]
-        view = self.views[entry.fragment]
-        view.grad = total.div_(dist.get_world_size(self.group))
+        views = self.views[entry.fragment]
+        grads = total.div_(dist.get_world_size(self.group)).split([view.numel() for view in views])
+        for view, grad in zip(views, grads, strict=True):
+            view.grad = grad
         self.outer_optimizer.step()
-        view.grad = None
-        if view.numel():
-            target = torch.lerp(view, flatten(self.params[params]), self.mixing_alpha) if mix else view
-            write_flat(target, self.params[params])
+        for (params, _), view in zip(self.runs[entry.fragment], views, strict=True):
+            view.grad = None
+            if view.numel():
+                target = torch.lerp(view, flatten(self.params[params]), self.mixing_alpha) if mix else view
+                write_flat(target, self.params[params])
         self.written()
         self.outer_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """:meth:`OuterSync.state_dict` plus ``fragments`` (F) and ``pending``: each in-flight
-        all-reduce is completed first (a collective wait, so every rank must checkpoint at the
-        same step, as the trainer does) and saved as ``{"fragment", "apply_at", "total"}`` (the
-        summed fp32 outer gradient), still to be applied at its own step: a resume continues the
-        same run."""
+        """:meth:`OuterSync.state_dict` plus ``fragments`` (F), ``fragment_pattern`` and
+        ``pending``: each in-flight all-reduce is completed first (a collective wait, so every
+        rank must checkpoint at the same step, as the trainer does) and saved as ``{"fragment",
+        "apply_at", "total"}`` (the summed fp32 outer gradient), still to be applied at its own
+        step: a resume continues the same run."""
         pending = [{"fragment": e.fragment, "apply_at": e.apply_at, "total": e.wait().clone()} for e in self.pending]
-        return {**super().state_dict(), "fragments": len(self.spans), "pending": pending}
+        layout = {"fragments": len(self.runs), "fragment_pattern": self.pattern}
+        return {**super().state_dict(), **layout, "pending": pending}
 
     def _restore(self, state: dict[str, Any]) -> None:
-        if state.get("fragments") != len(self.spans):
+        # Checkpoints from before fragment_pattern existed are sequential.
+        saved = (state.get("fragments"), state.get("fragment_pattern", "sequential"))
+        if saved != (len(self.runs), self.pattern):
             raise ValueError(
-                f"the checkpoint's streaming DiLoCo state has {state.get('fragments')} fragments, this run "
-                f"{len(self.spans)}: resume with data_parallel.fragments={state.get('fragments')}"
+                f"the checkpoint's streaming DiLoCo state has {saved[0]} {saved[1]} fragments, this run "
+                f"{len(self.runs)} {self.pattern}: resume with data_parallel.fragments={saved[0]} and "
+                f"data_parallel.fragment_pattern={saved[1]!r}"
             )
         super()._restore(state)
         device = self.global_flat.device
