@@ -342,7 +342,7 @@ STREAMING_FIELDS = ("fragments", "fragment_pattern", "overlap_steps", "mixing_al
 # Modes whose outer gradients may cross the dp group quantized (data_parallel.outer_grad_dtype).
 QUANTIZED_OUTER_MODES = ("diloco", "streaming_diloco")
 # data_parallel fields that only async reads.
-ASYNC_FIELDS = ("max_staleness", "staleness_policy", "outer_momentum_delay")
+ASYNC_FIELDS = ("max_staleness", "staleness_policy", "outer_momentum_delay", "dynamic_local_steps")
 # Modes with an outer optimizer (outer_lr, outer_momentum, outer_nesterov).
 OUTER_OPTIMIZER_MODES = ("diloco", "streaming_diloco", "async")
 
@@ -433,6 +433,15 @@ class DataParallelConfig(_Section):
             " 1: a Nesterov step per delta. N > 1: each delta is applied as a plain step of learning rate"
             " outer_lr/N, and every N-th also updates the momentum with the mean of the N deltas and applies it"
             " (needs outer_momentum > 0 and outer_nesterov)."
+        ),
+    )
+    dynamic_local_steps: bool = Field(
+        False,
+        description=(
+            "async only: Dynamic Local Updates (Liu et al. 2024, DyLU): each round of a worker has"
+            " max(1, floor(H·v_w / max_j v_j)) inner steps, v the workers' measured steps per second, so a slow"
+            " worker returns smaller, fresher deltas; the run's tokens stay those of training.steps synchronous"
+            " steps. false: every round has inner_steps (H) steps."
         ),
     )
     inner_steps: int | None = Field(
@@ -1019,9 +1028,11 @@ class Config(_Section):
     @model_validator(mode="after")
     def _local_modes_compose(self) -> Config:
         """``data_parallel.mode`` local_sgd/diloco/streaming_diloco run on data parallelism with
-        Megatron tensor parallelism or pipeline parallelism inside each replica (the outer sync
-        averages each rank's shards or stage over its dp group; streaming's fragments are cut
-        from the whole model's blocks, each stage syncing its part), and all three with replicas
+        Megatron tensor parallelism (1D, optionally with SP), 2D tensor parallelism
+        (``tp_mode="2d"``: every 2D collective stays on the grid, none on the dp axis) or
+        pipeline parallelism inside each replica (the outer sync averages each rank's shards,
+        2D blocks or stage over its dp group; streaming's fragments are cut from the whole
+        model's blocks, each stage syncing its part), and all three with replicas
         of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
         replica, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
         inside a replica, for now. ``async`` on plain data parallelism only."""
@@ -1041,9 +1052,10 @@ class Config(_Section):
             ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, replicas),
             ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, inner_pp),
             ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, inner_tp),
-            # Megatron SP's norm weights get their sum over tp from a gradient hook of their own
-            # (tensor_parallel.all_reduce_grad_hook), which LocalOnlyHook leaves alone; 2D tp not tried.
-            ("parallel.tp_mode", p.tp_mode, p.tp_mode if p.tp_mode != "2d" and mode != "async" else "tensor_parallel"),
+            # Megatron SP's and 2D tp's norm weights get their sum over tp (2D: over a grid column) from
+            # a gradient hook of their own (tensor_parallel.all_reduce_grad_hook), and SUMMA's reductions
+            # stay on the grid's row and column groups: none crosses dp, LocalOnlyHook leaves them alone.
+            ("parallel.tp_mode", p.tp_mode, p.tp_mode if mode != "async" else "tensor_parallel"),
             ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
             ("compression.method", self.compression.method, "none"),
             ("balance.data", b.data, False),
@@ -1053,7 +1065,7 @@ class Config(_Section):
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
-                    "by Megatron tp, over dp_shard ranks with plain DP or ZeRO (parallel.data_parallel_replicate_degree"
+                    "by 1D or 2D tp, over dp_shard ranks with plain DP or ZeRO (parallel.data_parallel_replicate_degree"
                     " > 1, without tp), or by a pipeline, but not otherwise sharded or compressed; async replicas "
                     f"are single ranks); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
@@ -1174,9 +1186,11 @@ class Config(_Section):
         p, m = self.parallel, self.model
         check_2d_shapes(p.tensor_parallel_degree, dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.kv_heads,
                         ffn_hidden_dim=m.hidden_dim, micro_batch_size=self.training.micro_batch_size)  # fmt: skip
-        # Each needs work the grid does not do yet (an uneven micro-batch per rank, the local
-        # modes' parameter averaging).
-        for name, value, allowed in (("data_parallel.mode", self.data_parallel.mode, "sync"),
+        # Each needs work the grid does not do yet (an uneven micro-batch per rank, async's
+        # single-rank workers); local_sgd/diloco/streaming_diloco average each rank's 2D blocks
+        # over its dp group.
+        mode = self.data_parallel.mode
+        for name, value, allowed in (("data_parallel.mode", mode, "sync" if mode == "async" else mode),
                                      ("balance.data", self.balance.data, False)):  # fmt: skip
             if value != allowed:
                 raise ValueError(f"parallel.tp_mode='2d' with {name}={value!r} is not supported yet; set "

@@ -11,9 +11,11 @@ practice; a lost round, a delta of the wrong sign or a stale base moves the para
 from __future__ import annotations
 
 import copy
+import heapq
 import io
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,9 +32,12 @@ from loomtrain.distributed.async_dp import (
     DelayedNesterov,
     ParameterServer,
     Round,
+    RoundPlanner,
     delta_weight,
-    pause_rounds,
+    local_steps,
+    pause_steps,
     plan_rounds,
+    server_delta_weight,
 )
 from loomtrain.distributed.local_sgd import flatten, write_flat
 from loomtrain.models import Transformer
@@ -73,24 +78,28 @@ def inner_steps(model, opt, rnd: Round, sleep_s: float = 0.0) -> float:
     return total / rnd.steps
 
 
-def serve_or_work(group, workers: list[int], rounds, cfg: DataParallelConfig, timeout_s: float, sleep=None) -> dict:
-    """Run the exchange on this rank (server: rank 0; ``workers`` train). ``sleep(worker,
-    rounds_done)``: extra seconds a worker spends in a round. Returns the server's settled
-    rounds and θ_global, or the worker's rounds done and final parameters."""
+def serve_or_work(group, workers: list[int], steps: int, cfg: DataParallelConfig, timeout_s: float, sleep=None,
+                  step_s: dict[int, float] | None = None) -> dict:  # fmt: skip
+    """Run the exchange of a ``steps``-step run on this rank (server: rank 0; ``workers``
+    train). ``sleep(worker, rounds_done)``: extra seconds a worker spends in a round; ``step_s``:
+    extra seconds per inner step, by worker. Returns the server's settled rounds, θ_global and
+    applied local-step counts, or the worker's rounds done and final parameters."""
     model, opt = make_model()
     outer = AsyncOuter(list(model.parameters()), opt, cfg)
     rank = dist.get_rank()
     if rank == 0:
         settled = []
-        ParameterServer(outer, group, workers, rounds, timeout_s, settled.append).serve()
-        return {"settled": settled, "global": outer.global_flat.clone(), "version": outer.version}
+        planner = RoundPlanner(steps, cfg.resolved_inner_steps, len(workers))
+        ParameterServer(outer, group, workers, planner, timeout_s, settled.append).serve()
+        return {"settled": settled, "global": outer.global_flat.clone(), "version": outer.version,
+                "local_steps": outer.local_steps, "lanes": planner.lanes}  # fmt: skip
     holder = {}
 
     def train_round(rnd: Round) -> float:
         extra = sleep(rank, worker.rounds_done) if sleep else 0.0
-        return inner_steps(model, opt, rnd, extra)
+        return inner_steps(model, opt, rnd, extra + (step_s or {}).get(rank, 0.0) * rnd.steps)
 
-    worker = holder["w"] = AsyncWorker(outer, group, 0, rounds, timeout_s, train_round)
+    worker = holder["w"] = AsyncWorker(outer, group, 0, timeout_s, train_round)
     end = worker.run()
     return {"rounds_done": worker.rounds_done, "params": flatten(list(model.parameters())), "end": end}
 
@@ -119,7 +128,7 @@ def one_worker_equals_reference():
     rounds = plan_rounds(8, 3, 1)  # rounds of 3, 3 and 2 steps
     if dist.get_rank() == 2:
         return reference(rounds, cfg)
-    return serve_or_work(group, [1], rounds, cfg, 60.0)
+    return serve_or_work(group, [1], 8, cfg, 60.0)
 
 
 def slow_worker_does_not_hold_back_the_fast():
@@ -131,7 +140,7 @@ def slow_worker_does_not_hold_back_the_fast():
     def sleep(rank: int, done: int) -> float:
         return 0.0 if rank == 1 else SLOW_FIRST_S if done == 0 else 0.2
 
-    return serve_or_work(group, [1, 2], plan_rounds(16, 2, 2), cfg, 60.0, sleep)
+    return serve_or_work(group, [1, 2], 16, cfg, 60.0, sleep)
 
 
 class Died(Exception):
@@ -151,11 +160,23 @@ def dead_worker_times_out():
 
     start = time.monotonic()
     try:
-        out = serve_or_work(group, [1, 2], plan_rounds(4, 1, 2), cfg, TIMEOUT_S, sleep)
-    except (AsyncTimeoutError, Died) as err:
+        out = serve_or_work(group, [1, 2], 4, cfg, TIMEOUT_S, sleep)
+    except (AsyncTimeoutError, Died, RuntimeError) as err:  # RuntimeError: gloo's, once the server is gone
         out = {"error": type(err).__name__, "message": str(err)}
     out["elapsed_s"] = time.monotonic() - start
     return out
+
+
+DYLU_STEPS, DYLU_H = 40, 8
+DYLU_STEP_S = {1: 0.01, 2: 0.04}  # seconds slept per inner step: worker 2 at about a quarter of worker 1's speed
+
+
+def dynamic_local_steps_follow_speed():
+    """Server 0, workers 1 (fast) and 2 (slow, DYLU_STEP_S), DyLU on, H = 8, 40 steps (80
+    worker steps); every delta applied (max_staleness 100), so the applied counts cover all."""
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    cfg = DataParallelConfig(mode="async", inner_steps=DYLU_H, max_staleness=100, dynamic_local_steps=True)
+    return serve_or_work(group, [1, 2], DYLU_STEPS, cfg, 60.0, step_s=DYLU_STEP_S)
 
 
 def all_checks() -> dict:
@@ -163,6 +184,7 @@ def all_checks() -> dict:
         "one_worker_equals_reference": one_worker_equals_reference,
         "slow_worker_does_not_hold_back_the_fast": slow_worker_does_not_hold_back_the_fast,
         "dead_worker_times_out": dead_worker_times_out,
+        "dynamic_local_steps_follow_speed": dynamic_local_steps_follow_speed,
     })  # fmt: skip
 
 
@@ -216,14 +238,43 @@ def test_fast_worker_never_waits_and_staleness_rule_holds(results):
 
 def test_dead_worker_is_a_clear_timeout(results):
     """Catches: a server that waits forever on a worker that died or hangs (the test would hit
-    the spawn's timeout instead), and an error that does not name the missing rank or the
-    setting to change."""
+    the spawn's timeout instead), an error that does not name the missing rank or the setting
+    to change, and a worker left waiting forever by the failed server."""
     server = check_result(results, "dead_worker_times_out", 0)
     assert server["error"] == "AsyncTimeoutError"
     assert "worker rank 2" in server["message"] and "distributed.timeout_s" in server["message"]
     assert server["elapsed_s"] < TIMEOUT_S + 10
-    assert check_result(results, "dead_worker_times_out", 1)["end"] == "done"
+    # The live worker's end waits for the dead one's round (it would carry the final θ_global), so it
+    # fails with the server: its own deadline, or gloo's closed connection if the server exits first.
+    survivor = check_result(results, "dead_worker_times_out", 1)
+    assert survivor["error"] in ("AsyncTimeoutError", "RuntimeError") and survivor["elapsed_s"] < TIMEOUT_S + 10
     assert check_result(results, "dead_worker_times_out", 2)["error"] == "Died"
+
+
+def test_dynamic_local_steps_shorten_the_slow_workers_rounds(results):
+    """Catches, on real processes: DyLU lengths not reaching the workers (the header's round),
+    a speed measured wrongly or not at all (the slow worker kept at H), batches skipped or
+    repeated or trained at another learning-rate step under variable rounds, and applied deltas
+    whose local steps are not recorded."""
+    server = check_result(results, "dynamic_local_steps_follow_speed", 0)
+    settled = server["settled"]
+    slow = [s.round.steps for s in settled if s.worker == 2]
+    fast = [s.round.steps for s in settled if s.worker == 1]
+    assert slow[0] == fast[0] == DYLU_H  # nobody measured yet
+    assert len(slow) >= 2 and max(slow[1:]) < DYLU_H == max(fast)
+    assert sum(slow) / len(slow) < sum(fast) / len(fast)
+    assert all(s.speed > 0 for s in settled)
+    positions = sorted(s.round.offset + j for s in settled for j in range(s.round.steps))
+    assert positions == list(range(DYLU_STEPS * 2)) and server["lanes"] == [DYLU_STEPS] * 2
+    want = lr_step_of_batch(DYLU_STEPS, DYLU_H, 2)
+    for s in settled:
+        assert [want[s.round.offset + j] for j in range(s.round.steps)] == [
+            s.round.first_step + j for j in range(s.round.steps)
+        ]
+    assert server["local_steps"] == Counter(slow + fast)
+    for rank in (1, 2):
+        worker = check_result(results, "dynamic_local_steps_follow_speed", rank)
+        assert torch.equal(worker["params"], server["global"]) and worker["end"] == "done"
 
 
 def test_staleness_weights_and_rejection():
@@ -245,10 +296,106 @@ def test_rounds_hold_the_sync_runs_tokens():
     assert [(r.first_step, r.steps) for r in rounds] == [(0, 3), (0, 3), (3, 3), (3, 3), (6, 1), (6, 1)]
     assert [r.offset for r in rounds] == [0, 3, 6, 9, 12, 13]
     assert sum(r.steps for r in rounds) == 7 * 2
-    assert pause_rounds(rounds, 2, 3, 0) == [2, 4]
-    assert pause_rounds(rounds, 2, 4, 2) == [4]
+    assert pause_steps(7, 3, 3, 0) == [3, 6]  # the period starts of rounds 2 and 4
+    assert pause_steps(7, 3, 4, 3) == [6]
+    assert pause_steps(7, 3, 2, 0) == [3, 6]  # 2 and 4 round up to period starts, 6 once
     with pytest.raises(ValueError, match="at least 1"):
         plan_rounds(0, 3, 2)
+
+
+def test_dynamic_local_steps_rule():
+    """Catches: DyLU's ⌊H·v_w / max_j v_j⌋ rounded up or to nearest, taken against the mean or
+    sum of the speeds instead of the fastest, a worker given 0 steps, an unmeasured worker not
+    given H, and dynamic lengths used with ``dynamic_local_steps`` off."""
+    on = {h: DataParallelConfig(mode="async", inner_steps=h, dynamic_local_steps=True) for h in (3, 6, 8)}
+    speeds = [1.0, 0.25, 0.7]
+    assert [local_steps(on[8], v, speeds) for v in speeds] == [8, 2, 5]
+    assert local_steps(on[6], 0.25, speeds) == 1  # ⌊1.5⌋
+    assert local_steps(on[3], 0.25, speeds) == 1  # ⌊0.75⌋ = 0, raised to 1
+    assert local_steps(on[8], None, speeds) == 8
+    assert local_steps(DataParallelConfig(mode="async", inner_steps=8), 0.25, speeds) == 8
+
+
+def simulated_plan(cfg: DataParallelConfig, planner: RoundPlanner, speeds: dict[int, float], before: int,
+                   measured: dict[int, float], index: int = 0) -> list[tuple[int, Round]]:  # fmt: skip
+    """The server's cuts, without processes, from round ``index`` on: workers of ``speeds``
+    (steps/s) ask in the order their rounds end (the earliest first, the lower rank on a tie);
+    a returned round enters its worker's speed in ``measured``; cutting stops at step
+    ``before``. Returns (worker, round) in hand-out order."""
+    out: list[tuple[int, Round]] = []
+    queue: list[tuple[float, int]] = [(0.0, w) for w in sorted(speeds)]
+    while queue:
+        now, worker = heapq.heappop(queue)
+        if any(w == worker for w, _ in out):
+            measured[worker] = speeds[worker]
+        length = local_steps(cfg, measured.get(worker), list(measured.values()))
+        rnd = planner.cut(index + len(out), length, before)
+        if rnd is not None:
+            out.append((worker, rnd))
+            heapq.heappush(queue, (now + rnd.steps / speeds[worker], worker))
+    return out
+
+
+def lr_step_of_batch(steps: int, h: int, workers: int) -> dict[int, int]:
+    """Worker batch position → its learning-rate step in the fixed plan (rounds of H)."""
+    return {r.offset + j: r.first_step + j for r in plan_rounds(steps, h, workers) for j in range(r.steps)}
+
+
+def test_dynamic_plan_is_a_quarter_for_a_quarter_speed_and_covers_the_run_once():
+    """Catches: a slow worker's DyLU rounds not ⌊H/4⌋ at a quarter of the speed, a round cut
+    across a period (its batches would not be contiguous), batches skipped or repeated, a batch
+    trained at another learning-rate step than in the fixed plan (and so the sync run), and a
+    checkpoint pause that leaves a lane beyond the pause step. H = 6, 20 steps (the last period
+    of 2), speeds 1 and 0.25 steps/s, a pause at step 12."""
+    cfg = DataParallelConfig(mode="async", inner_steps=6, dynamic_local_steps=True)
+    planner, speeds, measured = RoundPlanner(20, 6, 2), {1: 1.0, 2: 0.25}, {}
+    rounds = simulated_plan(cfg, planner, speeds, 12, measured)
+    assert planner.lanes == [12, 12]
+    rounds += simulated_plan(cfg, planner, speeds, 20, measured, len(rounds))
+    assert planner.done and [r.index for _, r in rounds] == list(range(len(rounds)))
+    slow = [r.steps for w, r in rounds if w == 2]
+    fast = [r.steps for w, r in rounds if w == 1]
+    assert slow[0] == 6 and set(slow[1:]) == {1}  # ⌊6·0.25⌋ = 1 once measured
+    assert max(fast) == 6 and len(fast) > len(slow)
+    positions = sorted(r.offset + j for _, r in rounds for j in range(r.steps))
+    assert positions == list(range(40))
+    want = lr_step_of_batch(20, 6, 2)
+    for _, r in rounds:
+        assert r.first_step // 6 == (r.first_step + r.steps - 1) // 6, r
+        assert [want[r.offset + j] for j in range(r.steps)] == list(range(r.first_step, r.first_step + r.steps)), r
+
+
+def test_dynamic_local_steps_off_plans_exactly_todays_rounds():
+    """Catches: the default (``dynamic_local_steps`` off) plan changed by the planner or by the
+    measured speeds: with workers at speeds 1 and 0.25 the rounds handed out, by index, are
+    plan_rounds' fixed list (W rounds of H per period, offsets in order)."""
+    cfg = DataParallelConfig(mode="async", inner_steps=3)
+    rounds = simulated_plan(cfg, RoundPlanner(7, 3, 2), {1: 1.0, 2: 0.25}, 7, {})
+    assert [r for _, r in rounds] == plan_rounds(7, 3, 2)
+
+
+def test_planner_state_resumes_the_plan():
+    """Catches: the lanes or the measured speeds missing from the async checkpoint state (a
+    resume would repeat or skip batches, or restart every worker at H): after uneven cuts, the
+    planner rebuilt from a torch.save/load round trip of AsyncOuter's state cuts the same rounds
+    as the uninterrupted one."""
+    cfg = DataParallelConfig(mode="async", inner_steps=4, dynamic_local_steps=True)
+    whole = RoundPlanner(10, 4, 2)
+    outer = dn_outer(1)
+    outer.lanes, outer.speeds = whole.lanes, {1: 3.0, 2: 1.0}
+    for k, length in enumerate([4, 1]):
+        whole.cut(k, length, 10)
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(outer.state_dict()), buffer)
+    buffer.seek(0)
+    resumed = dn_outer(1)
+    resumed.load_state_dict(torch.load(buffer))
+    assert resumed.lanes == [4, 1] and resumed.speeds == {1: 3.0, 2: 1.0}
+    again = RoundPlanner(10, 4, 2, resumed.lanes)
+    lengths = [local_steps(cfg, resumed.speeds[w], list(resumed.speeds.values())) for w in (2, 1, 2, 1, 2)]
+    got = [again.cut(k, n, 10) for k, n in enumerate(lengths, 2)]
+    assert got == [whole.cut(k, n, 10) for k, n in enumerate(lengths, 2)]
+    assert again.lanes == whole.lanes
 
 
 DELAY4 = ["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=4"]
@@ -269,12 +416,16 @@ DELAY4 = ["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=4"
             "data_parallel.outer_momentum_delay only applies to data_parallel.mode='async'",
         ),
         (["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=0"], "outer_momentum_delay"),
+        (
+            ["--data_parallel.mode=diloco", "--data_parallel.dynamic_local_steps=true"],
+            "data_parallel.dynamic_local_steps only applies to data_parallel.mode='async'.*drop them or set the mode",
+        ),
         ([*DELAY4, "--data_parallel.outer_momentum=0"], "outer_momentum_delay=4 delays the outer Nesterov"),
         ([*DELAY4, "--data_parallel.outer_nesterov=false"], "set outer_momentum_delay=1 or use Nesterov momentum"),
     ],
 )
 def test_async_config_refusals(overrides, match):
-    """Catches: async settings accepted (and silently ignored) in another mode, a negative
+    """Catches: async settings (Delayed Nesterov, DyLU too) accepted (and silently ignored) in another mode, a negative
     bound, and async combined with sharding, tp, pp or speed changes it does not support; a
     Delayed Nesterov delay below 1, or one without Nesterov momentum (it would only divide the
     outer learning rate by N)."""
@@ -298,6 +449,10 @@ def test_async_world_checks():
     dp = cfg.data_parallel
     assert (dp.resolved_inner_steps, dp.outer_lr, dp.outer_momentum, dp.outer_nesterov) == (500, 0.7, 0.9, True)
     assert (dp.max_staleness, dp.staleness_policy, dp.outer_momentum_delay) == (4, "scale", 1)
+    assert dp.dynamic_local_steps is False
+    assert load_config(
+        None, ["--data_parallel.mode=async", "--data_parallel.dynamic_local_steps=true"]
+    ).data_parallel.dynamic_local_steps
     assert load_config(None, DELAY4).data_parallel.outer_momentum_delay == 4
     assert load_config(None, ["--data_parallel.mode=async", "--data_parallel.outer_lr=1"]).data_parallel.outer_lr == 1
 
@@ -359,6 +514,19 @@ def dn_by_hand(theta: torch.Tensor, grads: list[torch.Tensor], n: int, mean_of: 
             theta, window = theta - DN_LR * DN_BETA * m, []
         out.append(theta)
     return out
+
+
+def test_delayed_nesterov_deltas_drop_the_one_over_w_share():
+    """Catches: Delayed Nesterov applied to deltas already weighted 1/W (its own 1/N on top: the
+    step W-fold too short; measured, 3 workers at N = 3 ended 5.7 % above the per-delta step's
+    validation loss) or the per-delta step losing its 1/W share; staleness scaling kept in both."""
+    per_delta = DataParallelConfig(mode="async", staleness_policy="scale")
+    delayed = DataParallelConfig(mode="async", staleness_policy="scale", outer_momentum_delay=3)
+    assert server_delta_weight(0, per_delta, 3) == pytest.approx(1 / 3)
+    assert server_delta_weight(1, per_delta, 3) == pytest.approx(1 / 6)
+    assert server_delta_weight(0, delayed, 3) == 1.0
+    assert server_delta_weight(1, delayed, 3) == pytest.approx(1 / 2)
+    assert server_delta_weight(per_delta.max_staleness + 1, delayed, 3) is None
 
 
 def test_outer_momentum_delay_1_is_the_nesterov_step_per_delta():

@@ -54,6 +54,11 @@ STREAMING_F3 = ["--data_parallel.fragments=3", *STREAMING[1:]]
 # Strided, the same 3 fragments of 8 blocks are 0, 3, 6 / 1, 4, 7 / 2, 5: each pp 2 stage holds part of every one.
 STRIDED_F3 = [*STREAMING_F3, "--data_parallel.fragment_pattern=strided"]
 INT8 = ["--data_parallel.outer_grad_dtype=int8"]
+# 2D tensor parallelism with the least work that still runs every 2D layer: 1 block, one
+# micro-batch of 2 sequences per rank and step (test_pipeline's model otherwise); GRID1 on a 1×1
+# grid (tp 1), GRID4 on a 2×2 grid (tp 4).
+GRID1 = ["--parallel.tp_mode=2d", "--model.n_layers=1", "--training.global_batch_size=4"]
+GRID4 = ["--parallel.tensor_parallel_degree=4", *GRID1]
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +225,10 @@ def all_checks() -> dict:
         "diloco_h2": lambda: train_local_tp("diloco", [], 2, evaluate=True),
         "streaming_h2": lambda: train_local_tp("streaming_diloco", STREAMING, 2, evaluate=True),
         "diloco_int8_h2": lambda: train_local_tp("diloco", INT8, 2, evaluate=True),
+        # 2D tp's model, loss and checkpoint layout on a 1×1 grid (the 2×2 grid needs 8 processes: slow).
+        "sync_grid1": lambda: train_local_tp("sync", GRID1),
+        "local_sgd_grid1": lambda: train_local_tp("local_sgd", GRID1),
+        "diloco_h2_grid1": lambda: train_local_tp("diloco", GRID1, 2, evaluate=True, finish=True),
     })  # fmt: skip
 
 
@@ -441,7 +450,6 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
     ("overrides", "field"),
     [
         (["--data_parallel.zero_stage=1"], "data_parallel.zero_stage=1"),
-        (["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"], "parallel.tp_mode='2d'"),
         (["--parallel.sequence_parallel_degree=2"], "parallel.sequence_parallel_degree=2"),
         (["--compression.method=int8"], "compression.method='int8'"),
         (["--balance.data=true"], "balance.data=True"),
@@ -449,11 +457,11 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
 )
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     """Catches: a local mode accepted with ZeRO when every dp rank is a replica (nothing to
-    shard over), 2D tp (never tried with them), Ulysses sp, compression or data balancing, which
-    would run with a gradient synchronizer or replica layout the outer sync ignores; ZeRO with
-    tp inside replicas, or async with replicas of several ranks or a pipeline, none of them
-    built; or replicas of dp_shard ranks with ZeRO (also streaming's), or streaming and
-    quantized DiLoCo on pipelines, refused where they compose."""
+    shard over), Ulysses sp, compression or data balancing, which would run with a gradient
+    synchronizer or replica layout the outer sync ignores; ZeRO with tp inside replicas, or
+    async with replicas of several ranks, a pipeline or 2D tp, none of them built; or replicas
+    of dp_shard ranks with ZeRO (also streaming's), streaming and quantized DiLoCo on
+    pipelines, or the sync-family modes with 2D tp, refused where they compose."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
     replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
@@ -471,6 +479,11 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
         assert pp2.parallel.pipeline_parallel_degree == 2
     with pytest.raises(ConfigError, match="with parallel.pipeline_parallel_degree=2 is not supported yet"):
         load_config(None, ["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"])
+    grid = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d", "--model.dim=64", "--model.n_heads=4"]
+    for mode in ("local_sgd", "diloco", "streaming_diloco"):  # each rank's 2D blocks averaged over its dp group
+        assert load_config(None, [f"--data_parallel.mode={mode}", *grid]).parallel.tp_mode == "2d"
+    with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=4"):
+        load_config(None, ["--data_parallel.mode=async", *grid])
 
 
 def test_mode_defaults_and_misplaced_settings():
@@ -613,13 +626,14 @@ def test_streaming_settings_refused_for_other_modes():
 
 
 def train_local_tp(
-    mode: str, extra: list[str], inner_steps: int = 1, evaluate: bool = False
+    mode: str, extra: list[str], inner_steps: int = 1, evaluate: bool = False, finish: bool = False
 ) -> dict[str, torch.Tensor]:
     """``STEPS`` (3) steps of ``test_pipeline``'s 8-layer model with SGD + momentum and no
     clipping on this group's layout; ``mode`` ``sync`` (the gradient all-reduce) or a local
     mode with H = ``inner_steps`` (each replica keeps its gradient, the outer sync averages
     every H steps). With ``evaluate``, an evaluation inside ``global_weights`` after each step,
-    as the trainer's. Rank's replica's full parameters, gathered over tp and ZeRO's shards."""
+    as the trainer's; with ``finish``, an outer step forced after the last step, as the
+    trainer's. Rank's replica's full parameters, gathered over tp and ZeRO's shards."""
     from loomtrain.models.parallelize import parallelize_llama
     from loomtrain.trainer import train_step
     from tests.distributed.test_pipeline import BASE, CPU, STEPS, batches
@@ -641,7 +655,7 @@ def train_local_tp(
         mine = batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
         train_step(pm, optimizer, mine, cfg, CPU)
         if outer is not None:
-            outer.after_inner_step()
+            outer.after_inner_step(force=finish and step + 1 == STEPS)
             if evaluate:
                 with outer.global_weights():
                     pm.eval_loss(mine, contextlib.nullcontext, CPU)
@@ -712,6 +726,62 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
             assert params.keys() == want.keys()
             for key in want:
                 torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def local_tp2d_cases() -> dict:
+    return run_checks({  # 2D tp on a 2×2 grid (tp 4) × dp 2: 8 processes
+        "sync_2d": lambda: train_local_tp("sync", GRID4),
+        "local_sgd_2d": lambda: train_local_tp("local_sgd", GRID4),
+        "diloco_h2_2d": lambda: train_local_tp("diloco", GRID4, 2, evaluate=True, finish=True),
+    })  # fmt: skip
+
+
+def assert_local_modes_with_2d_tp(got: list, sync: str, local_sgd: str, diloco: str) -> None:
+    """``local_sgd`` equals ``sync`` within 1e-6 relative on rank 0; ``diloco``'s replicas are
+    bitwise identical on every rank (each gathered its replica's full model) and moved from
+    ``sync`` by the outer optimizer (> 1e-4)."""
+    want, params = check_result(got, sync), check_result(got, local_sgd)
+    assert params.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(params[key], want[key], rtol=1e-6, atol=1e-7, msg=f"{local_sgd}: {key}")
+    replicas = [check_result(got, diloco, rank) for rank in range(len(got))]
+    for rank, other in enumerate(replicas[1:], 1):
+        assert other.keys() == want.keys()
+        for key in want:
+            assert torch.equal(other[key], replicas[0][key]), (diloco, rank, key)
+    assert max((replicas[0][k] - want[k]).abs().max().item() for k in want) > 1e-4, diloco
+
+
+def test_local_modes_with_2d_tensor_parallel_model_on_a_1x1_grid():
+    """Catches: the local modes refused with ``parallel.tp_mode="2d"`` again, or failing on
+    2D tp's own modules rather than on its communication: its grid model (2D linears, norms,
+    embedding, head) left out of the outer step, its grid loss (``cross_entropy_2d``) or
+    ``GridParallelModel``'s evaluation and full-model gather misbehaving under
+    ``LocalOnlyHook`` or inside ``global_weights``. A 1×1 grid × dp 2 (the 2-process spawn):
+    local SGD with H = 1 must equal synchronous DP of the same layout (SGD + momentum, no
+    clipping, 1e-6 relative) and DiLoCo (H = 2, outer Nesterov, ending on an outer step) must
+    leave both replicas bitwise identical. The grid's collectives are all over one rank here:
+    whether they stay off the dp axis is the 8-process test below."""
+    assert_local_modes_with_2d_tp(results(), "sync_grid1", "local_sgd_grid1", "diloco_h2_grid1")
+
+
+@pytest.mark.slow  # 8 processes on 2 cores: ~2.5 min under load (start-up most of it)
+def test_local_modes_with_2d_tensor_parallel_replicas():
+    """Catches: a local mode with 2D tp (Optimus/SUMMA, ``parallel.tp_mode="2d"``) inside each
+    replica whose outer sync averages over the wrong group (over grid ranks, mixing different
+    blocks: refused at once by the replicas' identity check; or over the whole world), a grid
+    block left out of the outer step, or a 2D reduction that relied on the dp gradient hook:
+    the norm weights' sum over a grid column (their own gradient hook) or SUMMA's reduces along
+    grid rows and columns, lost with the dp all-reduce, would leave a replica's norm weights or
+    blocks with part of their gradient. tp 4 (2×2 grid) × dp 2, 8 processes, 1 block: local SGD
+    with H = 1 must equal synchronous DP of the same 2D layout with SGD + momentum and no
+    clipping (1e-6 relative: the same update up to the order of float sums); DiLoCo (H = 2,
+    outer Nesterov, an evaluation inside ``global_weights`` after each step, ending on a forced
+    outer step) must leave the two replicas bitwise identical (every rank gathers its replica's
+    full model) and away from where synchronous DP went (> 1e-4)."""
+    assert_local_modes_with_2d_tp(
+        spawn_once(local_tp2d_cases, 8, timeout_s=300), "sync_2d", "local_sgd_2d", "diloco_h2_2d"
+    )
 
 
 def test_replicas_of_dp_shard_ranks_equal_one_rank_per_replica():

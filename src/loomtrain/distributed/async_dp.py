@@ -28,16 +28,21 @@ delta is not multiplied by the momentum again at every later delta.
 
 Transport: point-to-point messages on a gloo group (``dist.isend``/``dist.irecv``; the server
 receives from any source, ``src=None``, which gloo supports and NCCL does not), CPU fp32
-tensors: ``[header (4 numbers), payload (Σ numel)]`` in one message each way. Every wait has a
+tensors: ``[header (HEADER numbers), payload (Σ numel)]`` in one message each way. Every wait has a
 deadline (``timeout_s``): a worker that sends nothing within it after being given a round makes
 the server raise :class:`AsyncTimeoutError` naming it; a worker that hears nothing from the
 server within it raises too.
 
-The work is a fixed list of rounds (:func:`plan_rounds`): the tokens of ``training.steps``
-synchronous steps, cut into ``W`` rounds of ``H`` steps per period; rounds go to whichever
-worker asks next, so a fast worker takes more of them. Round ``k``'s batches and learning rates
-depend only on ``k`` (not on the worker), so with one worker the run is exactly DiLoCo with one
-replica.
+The work is fixed: the tokens of ``training.steps`` synchronous steps, as ``W`` lanes (one
+per worker share of a synchronous batch) of ``training.steps`` steps each. :class:`RoundPlanner`
+cuts each round, when a worker asks, from the lane furthest behind, never across a period of
+``H`` steps, so a fast worker takes more rounds. With rounds of ``H`` steps (the default) round
+``k``'s batches and learning rates depend only on ``k`` (not on the worker), ``W`` rounds of
+``H`` steps per period (:func:`plan_rounds`), and with one worker the run is exactly DiLoCo with
+one replica. With ``dynamic_local_steps`` (Liu et al. 2024, Dynamic Local Updates, DyLU) a
+worker's round has ``max(1, ⌊H·v_w / max_j v_j⌋)`` steps (:func:`local_steps`), ``v`` the
+workers' measured speeds; a step of a lane keeps its batch and learning rate whichever round
+holds it.
 """
 
 from __future__ import annotations
@@ -74,7 +79,10 @@ log = logging.getLogger(__name__)
 
 # Server → worker commands (header[1]).
 CONTINUE, PAUSE, STOP, PREEMPT = 0, 1, 2, 3
-HEADER = 4  # numbers before the payload in every message (fp32: exact integers below 2**24)
+# Numbers before the payload in every message (fp32: exact integers below 2**24). Server → worker:
+# version, command, round index, first_step, steps, offset; worker → server: base version, round
+# index, mean loss, SIGTERM seen, seconds of the round's inner steps, 0.
+HEADER = 6
 
 
 class AsyncTimeoutError(TimeoutError):
@@ -93,33 +101,91 @@ class Round:
     offset: int
 
 
+class RoundPlanner:
+    """Cuts the run's ``steps·W`` worker steps into rounds as the workers ask (module docstring).
+
+    Lane ``ℓ`` (of ``workers``, W) holds steps ``0 … steps−1``; in the period of ``inner_steps``
+    (H) synchronous steps starting at ``P`` (length ``L``), its step ``s`` trains on worker batch
+    ``P·W + ℓ·L + s − P`` at the learning rate of step ``s``: the layout of W rounds of ``L`` steps
+    per period, so a step's batch and learning rate do not depend on how the lane was cut.
+    ``lanes``: each lane's next step not yet handed out (all 0 at the start; a checkpoint's).
+
+    Raises:
+        ValueError: ``steps``, ``inner_steps`` or ``workers`` below 1, or ``lanes`` not W steps.
+    """
+
+    def __init__(self, steps: int, inner_steps: int, workers: int, lanes: list[int] | None = None):
+        if min(steps, inner_steps, workers) < 1:
+            raise ValueError(f"steps={steps}, inner_steps={inner_steps}, workers={workers} must all be at least 1")
+        self.steps, self.inner_steps, self.workers = steps, inner_steps, workers
+        self.lanes = [0] * workers if lanes is None else list(lanes)
+        if len(self.lanes) != workers:
+            raise ValueError(f"lanes={self.lanes} must hold one next step per worker ({workers})")
+
+    @property
+    def done(self) -> bool:
+        """Every worker step handed out."""
+        return min(self.lanes) >= self.steps
+
+    def cut(self, index: int, length: int, before: int) -> Round | None:
+        """Round ``index``: up to ``length`` steps of the lane furthest behind (the lowest such
+        lane), from its next step to at most its period's end; ``None`` once every lane has
+        reached ``before`` (a checkpoint's period start, or ``steps``)."""
+        lane = self.lanes.index(min(self.lanes))
+        first = self.lanes[lane]
+        if first >= min(before, self.steps):
+            return None
+        start = first - first % self.inner_steps
+        period = min(self.inner_steps, self.steps - start)
+        count = min(length, start + period - first)
+        self.lanes[lane] += count
+        return Round(index, first, count, start * self.workers + lane * period + first - start)
+
+
 def plan_rounds(steps: int, inner_steps: int, workers: int) -> list[Round]:
-    """The run's rounds: for each period ``p`` of ``inner_steps`` (H) synchronous steps, ``workers``
-    (W) rounds of ``min(H, steps − p·H)`` steps each, so the rounds hold ``steps·W`` worker steps:
-    the tokens of ``steps`` synchronous steps over W ranks.
+    """The rounds of a run without dynamic local steps: for each period ``p`` of ``inner_steps``
+    (H) synchronous steps, ``workers`` (W) rounds of ``min(H, steps − p·H)`` steps each, so the
+    rounds hold ``steps·W`` worker steps: the tokens of ``steps`` synchronous steps over W ranks.
 
     Raises:
         ValueError: ``steps``, ``inner_steps`` or ``workers`` below 1.
     """
-    if min(steps, inner_steps, workers) < 1:
-        raise ValueError(f"steps={steps}, inner_steps={inner_steps}, workers={workers} must all be at least 1")
+    planner = RoundPlanner(steps, inner_steps, workers)
     rounds: list[Round] = []
-    offset = 0
-    for first in range(0, steps, inner_steps):
-        length = min(inner_steps, steps - first)
-        for _ in range(workers):
-            rounds.append(Round(len(rounds), first, length, offset))
-            offset += length
+    while (rnd := planner.cut(len(rounds), inner_steps, steps)) is not None:
+        rounds.append(rnd)
     return rounds
+
+
+def local_steps(cfg: DataParallelConfig, speed: float | None, speeds: list[float]) -> int:
+    """Inner steps of a worker's next round: ``H`` (``inner_steps``), or with
+    ``dynamic_local_steps`` Liu et al.'s Dynamic Local Updates (arXiv:2401.09135, 2024, DyLU)
+    ``max(1, ⌊H·v_w / max_j v_j⌋)``: ``speed`` (``v_w``, steps/s) is this worker's last measured
+    speed, ``speeds`` every worker's; a worker not measured yet (``None``) gets ``H``. The 1 keeps
+    a very slow worker in the run (the paper's rule alone would give it 0 steps)."""
+    h = cfg.resolved_inner_steps
+    if not cfg.dynamic_local_steps or speed is None:
+        return h
+    return max(1, int(h * (speed / max(speeds))))  # the fastest: v/v = 1 exactly, so H
 
 
 def delta_weight(tau: int, max_staleness: int, policy: str, workers: int) -> float | None:
     """The weight of a delta of staleness ``tau`` from one of ``workers`` (module docstring):
     ``None`` (rejected) above ``max_staleness``; else ``1/W``, or ``1/(W·(1+τ))`` with
-    ``policy="scale"`` (Zhang et al. 2016)."""
+    ``policy="scale"`` (Zhang et al. 2016). Under Delayed Nesterov the server passes
+    ``workers=1``: the optimizer's own 1/N replaces the share."""
     if tau > max_staleness:
         return None
     return 1.0 / workers / (1 + tau if policy == "scale" else 1)
+
+
+def server_delta_weight(tau: int, cfg: DataParallelConfig, workers: int) -> float | None:
+    """:func:`delta_weight` as the server applies it: with Delayed Nesterov
+    (``outer_momentum_delay > 1``) without the ``1/W`` share, since the optimizer divides each
+    delta by its N itself (Liu et al.: ε·Δ/N per delta, the momentum on the mean of N deltas);
+    both factors would shorten the step W-fold."""
+    share = 1 if cfg.outer_momentum_delay > 1 else workers
+    return delta_weight(tau, cfg.max_staleness, cfg.staleness_policy, share)
 
 
 class DelayedNesterov(torch.optim.Optimizer):
@@ -196,8 +262,12 @@ class AsyncOuter:
         version: outer updates applied (server); the received model's version (worker).
         next_round: rounds handed out and settled (server; at a pause every handed-out round is).
         worker_steps: worker steps of the settled rounds (server).
+        lanes: each lane's next step not yet handed out (server, :class:`RoundPlanner`; empty
+            until the run plans).
+        speeds: worker rank → its last round's inner steps per second (server).
         applied: τ → number of applied deltas with that staleness (server).
         rejected: τ → number of rejected deltas (server).
+        local_steps: inner steps → number of applied deltas of rounds that long (server).
         wait_s: seconds spent waiting for messages (server: for any delta; worker: for replies).
     """
 
@@ -210,8 +280,11 @@ class AsyncOuter:
             check_identical(self.global_flat, group, "the initial parameters")
         self.outer_optimizer = build_async_outer_optimizer(self.global_flat, cfg)
         self.version = self.next_round = self.worker_steps = 0
+        self.lanes: list[int] = []
+        self.speeds: dict[int, float] = {}
         self.applied: Counter[int] = Counter()
         self.rejected: Counter[int] = Counter()
+        self.local_steps: Counter[int] = Counter()
         self.wait_s = 0.0
 
     @property
@@ -235,13 +308,16 @@ class AsyncOuter:
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: ``mode`` ("async"), ``global`` (1-D fp32 copy),
         ``outer_optimizer`` (with Delayed Nesterov also its delta sum and count), ``version``,
-        ``next_round``, ``worker_steps``, ``inner_steps``, ``outer_momentum_delay``, ``applied`` and
-        ``rejected`` (τ → count) and ``inner_optimizer`` (this rank's optimizer state)."""
+        ``next_round``, ``worker_steps``, ``lanes`` and ``speeds`` (what the next rounds' cuts
+        depend on), ``inner_steps``, ``outer_momentum_delay``, ``applied`` and ``rejected`` (τ →
+        count), ``local_steps`` (steps → count) and ``inner_optimizer`` (this rank's optimizer
+        state)."""
         return {
             "mode": "async", "global": self.global_flat.clone(), "outer_optimizer": self.outer_optimizer.state_dict(),
             "version": self.version, "next_round": self.next_round, "worker_steps": self.worker_steps,
+            "lanes": list(self.lanes), "speeds": dict(self.speeds),
             "inner_steps": self.cfg.resolved_inner_steps, "outer_momentum_delay": self.cfg.outer_momentum_delay,
-            "applied": dict(self.applied), "rejected": dict(self.rejected),
+            "applied": dict(self.applied), "rejected": dict(self.rejected), "local_steps": dict(self.local_steps),
             "inner_optimizer": self.inner_optimizer.state_dict(),
         }  # fmt: skip
 
@@ -271,6 +347,9 @@ class AsyncOuter:
         _load_optimizer_state(self.inner_optimizer, state["inner_optimizer"])
         self.version, self.next_round, self.worker_steps = state["version"], state["next_round"], state["worker_steps"]
         self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
+        # Checkpoints written before dynamic local steps lack these; run_async replays their lanes.
+        self.lanes, self.speeds = list(state.get("lanes", [])), dict(state.get("speeds", {}))
+        self.local_steps = Counter(state.get("local_steps", {}))
         write_flat(self.global_flat, self.params)
 
     def _check_saved_settings(self, state: dict[str, Any]) -> None:
@@ -287,12 +366,14 @@ class AsyncOuter:
 
     def summary_fields(self) -> dict[str, Any]:
         """``outer_sync_s``, ``outer_steps`` and the staleness record for ``summary.json``:
-        ``staleness_applied`` / ``staleness_rejected`` (τ → count) and ``staleness_max_applied``."""
+        ``staleness_applied`` / ``staleness_rejected`` (τ → count), ``staleness_max_applied``, and
+        beside it ``local_steps_applied`` (inner steps of a round → applied deltas)."""
         return {
             "outer_sync_s": self.wait_s, "outer_steps": self.version,
             "staleness_applied": {str(k): v for k, v in sorted(self.applied.items())},
             "staleness_rejected": {str(k): v for k, v in sorted(self.rejected.items())},
             "staleness_max_applied": max(self.applied, default=0),
+            "local_steps_applied": {str(k): v for k, v in sorted(self.local_steps.items())},
         }  # fmt: skip
 
 
@@ -300,7 +381,7 @@ class AsyncOuter:
 class Settled:
     """What the server did with one returned round: the worker's global rank, the round, the
     delta's staleness ``tau``, its ``weight`` (``None``: rejected), the version after it, the
-    worker's mean inner loss over the round (nats)."""
+    worker's mean inner loss over the round (nats) and its measured speed (inner steps/s)."""
 
     worker: int
     round: Round
@@ -308,6 +389,7 @@ class Settled:
     weight: float | None
     version: int
     loss: float
+    speed: float
 
 
 def _wait(work: dist.Work, seconds: float, what: Callable[[], str]) -> None:
@@ -324,16 +406,16 @@ def _wait(work: dist.Work, seconds: float, what: Callable[[], str]) -> None:
 class ParameterServer:
     """The server side (module docstring) over ``group`` for the ``workers`` (global ranks).
 
-    ``rounds``: the run's :func:`plan_rounds`; ``timeout_s``: the most seconds a worker may take
-    to return a round (``distributed.timeout_s``); ``on_settled``: called after each returned
-    round (logging, evaluation). ``stop_requested``: polled before each assignment; once true no
-    new round is handed out and :meth:`serve` ends with ``"preempt"``.
+    ``planner``: cuts the rounds, of :func:`local_steps` steps each; ``timeout_s``: the most
+    seconds a worker may take to return a round (``distributed.timeout_s``); ``on_settled``:
+    called after each returned round (logging, evaluation). ``stop_requested``: polled before each
+    assignment; once true no new round is handed out and :meth:`serve` ends with ``"preempt"``.
     """
 
-    def __init__(self, outer: AsyncOuter, group: dist.ProcessGroup, workers: list[int], rounds: list[Round],
+    def __init__(self, outer: AsyncOuter, group: dist.ProcessGroup, workers: list[int], planner: RoundPlanner,
                  timeout_s: float, on_settled: Callable[[Settled], None] | None = None,
                  stop_requested: Callable[[], bool] = lambda: False):  # fmt: skip
-        self.outer, self.group, self.workers, self.rounds = outer, group, workers, rounds
+        self.outer, self.group, self.workers, self.planner = outer, group, workers, planner
         self.timeout_s, self.on_settled, self.stop_requested = timeout_s, on_settled, stop_requested
         self.cfg = outer.cfg
         self.numel = outer.global_flat.numel()
@@ -341,15 +423,15 @@ class ParameterServer:
         self.preempt = False
 
     def serve(self, pause_at: int | None = None) -> str:
-        """Hand out rounds until round ``pause_at`` (``None``: all), settle every returned one,
-        and end every worker's turn: ``"done"`` (all rounds settled, workers told STOP),
-        ``"pause"`` (workers told PAUSE: a checkpoint) or ``"preempt"``. Every worker holds the
-        current ``θ_global`` afterwards.
+        """Hand out rounds until every lane reaches step ``pause_at`` (a period start; ``None``:
+        the run's end), settle every returned one, and end every worker's turn: ``"done"`` (all
+        rounds settled, workers told STOP), ``"pause"`` (workers told PAUSE: a checkpoint) or
+        ``"preempt"``. Every worker holds the current ``θ_global`` afterwards.
 
         Raises:
             AsyncTimeoutError: a worker returned nothing within ``timeout_s`` of its round.
         """
-        limit = len(self.rounds) if pause_at is None else pause_at
+        limit = self.planner.steps if pause_at is None else pause_at
         for worker in self.workers:
             self._assign(worker, limit)
         buf = torch.empty(HEADER + self.numel)
@@ -357,21 +439,29 @@ class ParameterServer:
             worker = self._receive(buf)
             self._settle(worker, buf)
             self._assign(worker, limit)
-        if self.preempt:
-            return "preempt"
-        return "done" if self.outer.next_round >= len(self.rounds) else "pause"
+        # Ends go out only now, so every worker takes the θ_global of the last settled delta.
+        command = PREEMPT if self.preempt else STOP if self.planner.done else PAUSE
+        for worker in self.workers:
+            self._send(worker, command, [-1, 0, 0, 0])
+        return {PREEMPT: "preempt", STOP: "done", PAUSE: "pause"}[command]
 
     def _assign(self, worker: int, limit: int) -> None:
-        """Send ``worker`` the model with its next round, or the command that ends its turn."""
+        """Send ``worker`` the model with its next round (cut before step ``limit``); with none
+        left, its turn ends in :meth:`serve`."""
         outer = self.outer
         self.preempt = self.preempt or self.stop_requested()
-        if outer.next_round < limit and not self.preempt:
-            command, index = CONTINUE, outer.next_round
-            self.outstanding[worker] = (self.rounds[index], time.monotonic())
+        length = local_steps(self.cfg, outer.speeds.get(worker), list(outer.speeds.values()))
+        rnd = None if self.preempt else self.planner.cut(outer.next_round, length, limit)
+        if rnd is not None:
+            self.outstanding[worker] = (rnd, time.monotonic())
             outer.next_round += 1
-        else:
-            command, index = (PREEMPT if self.preempt else STOP if outer.next_round >= len(self.rounds) else PAUSE), -1
-        message = torch.cat([torch.tensor([outer.version, command, index, 0.0]), outer.global_flat.cpu()])
+            self._send(worker, CONTINUE, [rnd.index, rnd.first_step, rnd.steps, rnd.offset])
+
+    def _send(self, worker: int, command: int, fields: list[int]) -> None:
+        """Send ``worker`` the header (``command``, round ``fields``) and ``θ_global``."""
+        outer = self.outer
+        message = torch.cat([torch.tensor([outer.version, command, *fields], dtype=torch.float32),
+                             outer.global_flat.cpu()])  # fmt: skip
         outer.hook.bytes_sent += message.numel() * 4
         outer.hook.dense_bytes += message.numel() * 4
         work = dist.isend(message, dst=worker, group=self.group)
@@ -400,34 +490,39 @@ class ParameterServer:
 
     def _settle(self, worker: int, buf: torch.Tensor) -> None:
         """Apply (or reject) the delta in ``buf`` from ``worker`` by the staleness rule."""
-        base, index, loss, preempt = buf[:HEADER].tolist()
+        base, index, loss, preempt, seconds, _ = buf[:HEADER].tolist()
         rnd, _ = self.outstanding.pop(worker)
         if int(index) != rnd.index:
             raise RuntimeError(f"async server: worker rank {worker} returned round {int(index)}, expected {rnd.index}")
         self.preempt = self.preempt or preempt > 0
         outer = self.outer
         tau = outer.version - int(base)
-        weight = delta_weight(tau, self.cfg.max_staleness, self.cfg.staleness_policy, len(self.workers))
+        weight = server_delta_weight(tau, self.cfg, len(self.workers))
         if weight is None:
             outer.rejected[tau] += 1
         else:
             outer.apply(buf[HEADER:].to(outer.global_flat.device), weight)
             outer.applied[tau] += 1
+            outer.local_steps[rnd.steps] += 1
         outer.worker_steps += rnd.steps
+        # DyLU's v_w: the worker's own compute time, so the transfers and the server's queue (an
+        # evaluation, other deltas) do not count as slowness.
+        outer.speeds[worker] = rnd.steps / max(seconds, 1e-9)
         if self.on_settled is not None:
-            self.on_settled(Settled(worker, rnd, tau, weight, outer.version, loss))
+            self.on_settled(Settled(worker, rnd, tau, weight, outer.version, loss, outer.speeds[worker]))
 
 
 class AsyncWorker:
     """The worker side (module docstring): receives a model and a round from ``server`` over
     ``group``, runs ``train_round(round) -> mean loss`` (the inner steps, on ``outer.params``),
-    sends the delta, and so on until the server ends its turn. ``preempt_requested``: sent with
-    each delta (a SIGTERM seen here stops the whole run at the next checkpoint)."""
+    sends the delta with the round's seconds, and so on until the server ends its turn.
+    ``preempt_requested``: sent with each delta (a SIGTERM seen here stops the whole run at the
+    next checkpoint)."""
 
-    def __init__(self, outer: AsyncOuter, group: dist.ProcessGroup, server: int, rounds: list[Round],
-                 timeout_s: float, train_round: Callable[[Round], float],
+    def __init__(self, outer: AsyncOuter, group: dist.ProcessGroup, server: int, timeout_s: float,
+                 train_round: Callable[[Round], float],
                  preempt_requested: Callable[[], bool] = lambda: False):  # fmt: skip
-        self.outer, self.group, self.server, self.rounds = outer, group, server, rounds
+        self.outer, self.group, self.server = outer, group, server
         self.timeout_s, self.train_round, self.preempt_requested = timeout_s, train_round, preempt_requested
         self.buf = torch.empty(HEADER + outer.global_flat.numel())
         self.rounds_done = 0
@@ -440,13 +535,15 @@ class AsyncWorker:
             AsyncTimeoutError: no message from the server within ``timeout_s``.
         """
         while True:
-            command, index = self._receive()
-            if command != CONTINUE:
+            command, rnd = self._receive()
+            if rnd is None:
                 return {PAUSE: "pause", STOP: "done", PREEMPT: "preempt"}[command]
-            loss = self.train_round(self.rounds[index])
+            start = time.perf_counter()
+            loss = self.train_round(rnd)
+            seconds = time.perf_counter() - start
             self.rounds_done += 1
             delta = self.outer.global_flat - flatten(self.outer.params)
-            header = torch.tensor([self.outer.version, index, loss, float(self.preempt_requested())])
+            header = torch.tensor([self.outer.version, rnd.index, loss, float(self.preempt_requested()), seconds, 0.0])
             message = torch.cat([header, delta.cpu()])
             self.outer.hook.bytes_sent += message.numel() * 4
             self.outer.hook.dense_bytes += message.numel() * 4
@@ -454,33 +551,33 @@ class AsyncWorker:
             _wait(work, self.timeout_s, lambda: f"async worker: could not send its delta to the server (rank "
                                                 f"{self.server}) within {self.timeout_s:.0f} s")  # fmt: skip
 
-    def _receive(self) -> tuple[int, int]:
+    def _receive(self) -> tuple[int, Round | None]:
         """Wait for the server's next message; take its model as ``θ_global`` and this rank's
-        parameters. Returns (command, round index)."""
+        parameters. Returns the command and the round to train (``None`` unless CONTINUE)."""
         start = time.perf_counter()
         work = dist.irecv(self.buf, src=self.server, group=self.group)
         _wait(work, self.timeout_s, lambda: f"async worker rank {dist.get_rank()}: no message from the server (rank "
                                             f"{self.server}) within {self.timeout_s:.0f} s (distributed.timeout_s); "
                                             "the server died or hangs: see rank 0's log")  # fmt: skip
         self.outer.wait_s += time.perf_counter() - start
-        version, command, index, _ = self.buf[:HEADER].tolist()
-        self.outer.version = int(version)
+        version, command, *fields = (int(x) for x in self.buf[:HEADER].tolist())
+        self.outer.version = version
         self.outer.global_flat.copy_(self.buf[HEADER:])
         write_flat(self.outer.global_flat, self.outer.params)
-        return int(command), int(index)
+        return command, Round(*fields) if command == CONTINUE else None
 
 
-def pause_rounds(rounds: list[Round], workers: int, interval: int, after: int) -> list[int]:
-    """Indices of the rounds before which the server pauses for a checkpoint: the first round of
-    the first period starting at or after each multiple of ``interval`` steps, later than round
-    ``after`` and before the last period's end (the run's end checkpoints anyway)."""
-    starts = [r.index for r in rounds if r.index % workers == 0]
-    out = []
-    for multiple in range(interval, rounds[-1].first_step + 1, interval):
-        first = next((k for k in starts if rounds[k].first_step >= multiple), None)
-        if first is not None and first > after and first not in out:
-            out.append(first)
-    return out
+def _period_start(step: int, inner_steps: int) -> int:
+    """The first period start at or after ``step`` (periods of ``inner_steps`` steps)."""
+    return -(-step // inner_steps) * inner_steps
+
+
+def pause_steps(steps: int, inner_steps: int, interval: int, after: int) -> list[int]:
+    """The steps at which the server pauses for a checkpoint (every lane there, none beyond): the
+    first period start at or after each multiple of ``interval`` steps, later than step ``after``
+    and before ``steps`` (the run's end checkpoints anyway)."""
+    starts = (_period_start(m, inner_steps) for m in range(interval, steps, interval))
+    return sorted({p for p in starts if after < p < steps})
 
 
 class _ServerLog:
@@ -511,6 +608,7 @@ class _ServerLog:
             "loss": settled.loss, "lr": lr_at(settled.round.first_step + settled.round.steps - 1, t),
             "staleness": settled.tau, "applied": int(settled.weight is not None),
             "delta_weight": settled.weight or 0.0, "worker": settled.worker, "round": settled.round.index,
+            "local_steps": settled.round.steps, "worker_steps_per_s": settled.speed,
             "outer_version": settled.version, "tokens_per_s": tokens / max(self.train_s(), 1e-9),
             "outer_sync_s": outer.wait_s,
         }  # fmt: skip
@@ -557,10 +655,23 @@ def _round_trainer(trainer: Any, workers: int) -> Callable[[Round], float]:
     return train_round
 
 
-def _first_round_at(rounds: list[Round], step: int, workers: int) -> int:
-    """The first round of the first period starting at or after ``step`` (a resume without async
-    state: from another mode or world size)."""
-    return next((r.index for r in rounds if r.index % workers == 0 and r.first_step >= step), len(rounds))
+def _planner(trainer: Any, workers: int) -> RoundPlanner:
+    """The run's :class:`RoundPlanner`, its lanes shared with ``trainer.outer`` (a checkpoint
+    holds every cut): from the checkpoint's lanes; from a checkpoint written before lanes
+    existed, its ``next_round`` fixed rounds replayed; without async state (another mode or
+    world size), every lane at the first period start at or after the resumed step."""
+    t, outer = trainer.cfg.training, trainer.outer
+    h = trainer.cfg.data_parallel.resolved_inner_steps
+    planner = RoundPlanner(t.steps, h, workers, outer.lanes or None)
+    if not outer.lanes and outer.next_round:
+        for k in range(outer.next_round):
+            planner.cut(k, h, t.steps)
+    elif not outer.lanes and trainer.start_step:
+        start = min(_period_start(trainer.start_step, h), t.steps)
+        planner.lanes = [start] * workers
+        outer.next_round, outer.worker_steps = -(-start // h) * workers, start * workers
+    outer.lanes = planner.lanes
+    return planner
 
 
 def run_async(trainer: Any) -> dict:
@@ -577,24 +688,21 @@ def run_async(trainer: Any) -> dict:
     outer: AsyncOuter = trainer.outer
     rank, workers = dist.get_rank(), list(range(1, dist.get_world_size()))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.distributed.timeout_s))
-    rounds = plan_rounds(t.steps, cfg.data_parallel.resolved_inner_steps, len(workers))
-    if outer.next_round == 0 and trainer.start_step:
-        outer.next_round = _first_round_at(rounds, trainer.start_step, len(workers))
-        outer.worker_steps = sum(r.steps for r in rounds[: outer.next_round])
+    planner = _planner(trainer, len(workers))
     trainer.profiler = StepProfiler(cfg, trainer.device, trainer.start_step, trainer.events)
-    pauses = pause_rounds(rounds, len(workers), ck.interval, outer.next_round) if ck.enabled else []
+    pauses = pause_steps(t.steps, planner.inner_steps, ck.interval, min(planner.lanes)) if ck.enabled else []
     log_ = _ServerLog(trainer, len(workers)) if rank == 0 else None
     sent_before = outer.hook.bytes_sent
     reason = "pause"
     while reason == "pause":
-        pause_at = next((k for k in pauses if k > outer.next_round), None) if rank == 0 else None
+        pause_at = next((p for p in pauses if p > min(planner.lanes)), None) if rank == 0 else None
         if rank == 0:
-            server = ParameterServer(outer, group, workers, rounds, cfg.distributed.timeout_s, log_,
+            server = ParameterServer(outer, group, workers, planner, cfg.distributed.timeout_s, log_,
                                      lambda: trainer.preemption.requested)  # fmt: skip
             reason = server.serve(pause_at)
         else:
             train_round = _round_trainer(trainer, len(workers))
-            reason = AsyncWorker(outer, group, 0, rounds, cfg.distributed.timeout_s, train_round,
+            reason = AsyncWorker(outer, group, 0, cfg.distributed.timeout_s, train_round,
                                  lambda: trainer.preemption.requested).run()  # fmt: skip
         box = [reason, outer.worker_steps // len(workers)]
         dist.broadcast_object_list(box, src=0)  # every rank is back: the server's verdict and step
