@@ -124,6 +124,7 @@ def in_process_checks(task: str, clients: int, rounds: int, steps: int, relative
     total = sum(t.n_examples(c) for c in range(clients))
     shares = [t.n_examples(c) / total for c in range(clients)]
     rng = np.random.default_rng(0)
+    keys = _ckks_keys()
     trajectories, per_round = [], []
     for noise in (0.0, relative):
         g = flat_params(t.build_model())
@@ -131,7 +132,7 @@ def in_process_checks(task: str, clients: int, rounds: int, steps: int, relative
             models = _client_models(t, s, g, rnd)
             new = sum(w * m.astype(np.float64) for w, m in zip(shares, models, strict=True))
             if noise == 0.0:
-                per_round.append(_secure_agreement(t, s, g, models, shares, new))
+                per_round.append(_secure_agreement(t, s, keys, g, models, shares, new))
             g = (new * (1 + noise * rng.standard_normal(new.shape))).astype(np.float32)
         trajectories.append((g, _evaluate(t, g)))
     (a, ea), (b, eb) = trajectories
@@ -156,20 +157,28 @@ def _evaluate(t, params: np.ndarray):
     return t.evaluate(model)
 
 
-def _secure_agreement(t, s: FLSettings, g: np.ndarray, models: list[np.ndarray], shares: list[float],
-                      plain: np.ndarray) -> dict:  # fmt: skip
-    """One round's CKKS and masking aggregates of ``models`` against their plain weighted mean."""
+def _ckks_keys():
+    """One `loomtrain fl keys` run's (client context, server context), for every round's check."""
     from loomtrain.federated.secure import ckks
-    from loomtrain.federated.secure.mask import MaskConfig, dequantize, quantize
 
     with tempfile.TemporaryDirectory(prefix="bench_fl_keys_") as d:
         ckks.write_keys(Path(d), 1)
-        client, server = ckks.load_context(Path(d) / "client_0.ctx"), ckks.load_context(Path(d) / "server.ctx")
+        return ckks.load_context(Path(d) / "client_0.ctx"), ckks.load_context(Path(d) / "server.ctx")
+
+
+def _secure_agreement(t, s: FLSettings, keys, g: np.ndarray, models: list[np.ndarray], shares: list[float],
+                      plain: np.ndarray) -> dict:  # fmt: skip
+    """One round's CKKS (``keys``: :func:`_ckks_keys`) and masking aggregates of ``models`` against
+    their plain weighted mean."""
+    from loomtrain.federated.secure import ckks
+    from loomtrain.federated.secure.mask import MaskConfig, dequantize, quantize, to_signed
+
+    client, server = keys
     payloads = {c: ckks.encrypt(client, m, w) for c, (m, w) in enumerate(zip(models, shares, strict=True))}
     by_ckks = ckks.decrypt_mean(client, ckks.aggregate(server, payloads), g.size)
     cfg = MaskConfig(g.size, s.clients, s.clients // 2 + 1, s.mask_clip, max_weight=1)
     summed = sum(quantize((m - g) * w, 1, cfg).astype(np.int64) for m, w in zip(models, shares, strict=True))
-    total = (summed + 2**31) % 2**32 - 2**31  # Z_2^32 words back to signed, as MaskServer.result does
+    total = to_signed(summed)  # as MaskServer.result returns the masked sum
     count = int(total[-1])
     by_mask = g + dequantize(total[:-1], count, cfg) * count / sum(shares)  # as the server's _aggregate_mask
     reference = _evaluate(t, plain).predictions

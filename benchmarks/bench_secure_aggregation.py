@@ -32,7 +32,7 @@ import tenseal as ts
 from tenseal import sealapi
 
 from loomtrain.federated.secure import ckks
-from loomtrain.federated.secure.mask import MaskClient, MaskConfig, MaskServer, quantize, wire_bytes
+from loomtrain.federated.secure.mask import MaskClient, MaskConfig, MaskServer, quantize, to_signed, wire_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "secure_aggregation.json"
@@ -144,8 +144,7 @@ def measure_mask(size: int, clients: int, drop: int) -> dict:
     start = time.perf_counter()
     total, total_weight = server.result()
     seconds["server_result"] = time.perf_counter() - start
-    expected = sum(quantize(ups[i], weights[i], config).astype(np.int64) for i in survivors)
-    expected = (expected + 2**31) % 2**32 - 2**31
+    expected = to_signed(sum(quantize(ups[i], weights[i], config).astype(np.int64) for i in survivors))
     fp32 = 4 * size
     return {
         "threshold": config.threshold,

@@ -126,6 +126,15 @@ def quantize(update: np.ndarray, weight: int, config: MaskConfig) -> np.ndarray:
     return np.append(steps * int(weight), int(weight)).astype(_WORD)
 
 
+def to_signed(words: np.ndarray) -> np.ndarray:
+    """Integers taken mod 2^FIELD_BITS (uint32 words, or an int64 sum of them) as the signed values
+    in [-2^31, 2^31) they stand for: int64, same shape. A sum of quantized updates that fits that
+    range (``MaskConfig.levels`` sees to it) comes back exactly."""
+    signed = np.asarray(words).astype(np.int64) % 2**FIELD_BITS
+    signed[signed >= 2 ** (FIELD_BITS - 1)] -= 2**FIELD_BITS
+    return signed
+
+
 def dequantize(total: np.ndarray, total_weight: int, config: MaskConfig) -> np.ndarray:
     """Weighted mean from ``MaskServer.result()``: ``total * clip / (levels * total_weight)``, float64 (size,)."""
     if total_weight < 1:
@@ -525,8 +534,7 @@ class MaskServer:
             for u in self._u3:
                 total -= _pairwise_mask(s_sk, self._keys[u][1], u, v, total.size)
         self._revealed.clear()
-        signed = total.astype(np.int64)
-        signed[signed >= 2 ** (FIELD_BITS - 1)] -= 2**FIELD_BITS
+        signed = to_signed(total)
         return signed[:-1], int(signed[-1])
 
     def _rebuild_key(self, client: int, shares: dict[int, bytes]) -> X25519PrivateKey:
