@@ -405,9 +405,9 @@ class DataParallelConfig(_Section):
             " are averaged every `inner_steps` steps. `diloco` (Douillard et al. 2023): the same, but the averaged"
             " parameter delta is applied by an outer SGD with Nesterov momentum. `streaming_diloco` (Douillard et"
             " al. 2025): DiLoCo on one fragment of the model at a time, overlapped with the next inner steps"
-            " (docs/async_data_parallel.md). `async` (Liu et al. 2024): rank 0 holds the global model and the outer"
-            " SGD; every other rank trains `inner_steps` steps, sends its parameter delta and goes on with the newest"
-            " model, never waiting for another worker."
+            " (docs/async_data_parallel.md). `async` (Liu et al. 2024): replica 0 holds the global model and the"
+            " outer SGD; every other replica trains `inner_steps` steps, sends its parameter delta and goes on with"
+            " the newest model, never waiting for another worker."
         ),
     )
     max_staleness: int = Field(
@@ -1035,27 +1035,24 @@ class Config(_Section):
         model's blocks, each stage syncing its part), and all three with replicas
         of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
         replica, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
-        inside a replica, for now. ``async`` on plain data parallelism only."""
+        inside a replica, for now. ``async`` takes the same replicas (replica 0 serves, the
+        others work; 1D tp, not the 2D grid)."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
-        inner_tp = 1 if mode == "async" else p.tensor_parallel_degree
-        inner_pp = p.pipeline_parallel_degree if mode != "async" else 1
-        replicas = p.data_parallel_replicate_degree if mode != "async" else 1
         # ZeRO's masters inside a replica: of whole parameters (1D tp's would need ZeRO's tp mesh
         # without the replicate axis).
+        replicas = p.data_parallel_replicate_degree
         zero = self.data_parallel.zero_stage if replicas > 1 and p.tensor_parallel_degree == 1 else 0
+        grid = "tensor_parallel" if mode == "async" and p.tp_mode == "2d" else p.tp_mode
         plain = [
             ("data_parallel.zero_stage", self.data_parallel.zero_stage, zero),
             ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce"),
-            ("parallel.data_parallel_replicate_degree", p.data_parallel_replicate_degree, replicas),
-            ("parallel.pipeline_parallel_degree", p.pipeline_parallel_degree, inner_pp),
-            ("parallel.tensor_parallel_degree", p.tensor_parallel_degree, inner_tp),
             # Megatron SP's and 2D tp's norm weights get their sum over tp (2D: over a grid column) from
             # a gradient hook of their own (tensor_parallel.all_reduce_grad_hook), and SUMMA's reductions
             # stay on the grid's row and column groups: none crosses dp, LocalOnlyHook leaves them alone.
-            ("parallel.tp_mode", p.tp_mode, p.tp_mode if mode != "async" else "tensor_parallel"),
+            ("parallel.tp_mode", p.tp_mode, grid),
             ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
             ("compression.method", self.compression.method, "none"),
             ("balance.data", b.data, False),
@@ -1065,9 +1062,9 @@ class Config(_Section):
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
-                    "by 1D or 2D tp, over dp_shard ranks with plain DP or ZeRO (parallel.data_parallel_replicate_degree"
-                    " > 1, without tp), or by a pipeline, but not otherwise sharded or compressed; async replicas "
-                    f"are single ranks); set {name}={needed!r} or data_parallel.mode='sync'"
+                    "by 1D or 2D tp (async: 1D only), over dp_shard ranks with plain DP or ZeRO "
+                    "(parallel.data_parallel_replicate_degree > 1, without tp), or by a pipeline, but not otherwise "
+                    f"sharded or compressed); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
         if mode == "async" and self.simulate.speed_change:
             raise ValueError(
@@ -1273,11 +1270,10 @@ class Config(_Section):
                 ``data_parallel.mode='async'``, what :meth:`_validate_async_world` refuses.
         """
         t = self.training
+        per_step = dp * t.micro_batch_size
         if self.data_parallel.mode == "async":
             self._validate_async_world(dp)
-            return
-        per_step = dp * t.micro_batch_size
-        if t.global_batch_size % per_step:
+        elif t.global_batch_size % per_step:
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by the data-parallel degree "
                 f"{dp} × training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
@@ -1296,26 +1292,38 @@ class Config(_Section):
                 f"parallel.pipeline_parallel_degree={p.pipeline_parallel_degree}; change the batch sizes"
             )
 
-    def _validate_async_world(self, world: int) -> None:
-        """``data_parallel.mode='async'`` on ``world`` ranks: one server and ``world − 1`` workers
-        that split the global batch.
+    def async_replicas(self, dp: int) -> tuple[int, int]:
+        """``data_parallel.mode='async'`` for ``dp`` data-parallel ranks: ``(replicas, inside)``,
+        the model replicas (the ``dp_replicate`` groups when
+        ``parallel.data_parallel_replicate_degree`` > 1, else every dp rank with its tp and pp
+        ranks) and the dp ranks inside one (``dp_shard``, else 1). Replica 0 is the server, the
+        other ``replicas − 1`` are the workers."""
+        replicas = self.parallel.data_parallel_replicate_degree
+        replicas = replicas if replicas > 1 else dp
+        return replicas, dp // replicas
+
+    def _validate_async_world(self, dp: int) -> None:
+        """``data_parallel.mode='async'`` on ``dp`` data-parallel ranks: one server replica and
+        at least one worker replica (:meth:`async_replicas`) that split the global batch.
 
         Raises:
-            ConfigError: fewer than 2 ranks, or a global batch the workers cannot split into
-                whole micro-batches.
+            ConfigError: fewer than 2 replicas, or a global batch the workers' ranks cannot split
+                into whole micro-batches.
         """
         t = self.training
-        if world < 2:
+        replicas, inside = self.async_replicas(dp)
+        if replicas < 2:
             raise ConfigError(
-                f"data_parallel.mode='async' needs at least 2 processes (rank 0 is the server holding the global "
-                f"model, the others are workers); got {world}: set --nproc to 2 or more, or use mode='diloco'"
+                f"data_parallel.mode='async' needs at least 2 model replicas (replica 0 is the server holding the "
+                f"global model, the others are workers); got {replicas} (dp {dp}): give it more processes (--nproc), "
+                "or use mode='diloco'"
             )
-        per_step = (world - 1) * t.micro_batch_size
+        per_step = (replicas - 1) * inside * t.micro_batch_size
         if t.global_batch_size % per_step:
             raise ConfigError(
-                f"training.global_batch_size={t.global_batch_size} is not divisible by the {world - 1} async workers "
-                f"(world {world} minus the server) × training.micro_batch_size={t.micro_batch_size} (= {per_step}); "
-                "change one of them"
+                f"training.global_batch_size={t.global_batch_size} is not divisible by the {replicas - 1} async "
+                f"workers (replicas {replicas} minus the server) × {inside} dp rank(s) each × "
+                f"training.micro_batch_size={t.micro_batch_size} (= {per_step}); change one of them"
             )
 
     def validate_balance(self, dp: int) -> None:
@@ -1345,8 +1353,13 @@ class Config(_Section):
             )
 
     def grad_accum_steps(self, dp: int) -> int:
-        """Micro-batches per rank per optimizer step, for ``dp`` data-parallel ranks."""
-        return self.training.global_batch_size // (dp * self.training.micro_batch_size)
+        """Micro-batches per rank per optimizer step, for ``dp`` data-parallel ranks (async: per
+        inner step of a worker replica, whose step takes ``global_batch_size / workers`` samples)."""
+        t = self.training
+        if self.data_parallel.mode == "async":
+            replicas, inside = self.async_replicas(dp)
+            dp = max(replicas - 1, 1) * inside
+        return t.global_batch_size // (dp * t.micro_batch_size)
 
     def to_toml(self) -> str:
         """The resolved config as TOML (what the run used, written into the run directory).

@@ -1,6 +1,7 @@
 """Asynchronous local SGD (``distributed/async_dp.py``): the server/worker exchange on real gloo
 processes (one 3-process spawn), the trainer's async mode with a checkpoint resume (one
-2-process spawn, ``slow``), and the staleness rule and config checks in-process.
+2-process spawn), replicas of two ranks (tp, pp, ZeRO-3 inside; one 4-process spawn) and of two
+tp workers (6 processes, ``slow``), and the staleness rule and config checks in-process.
 
 Tolerance of the one-worker equivalence: 1e-6 relative (fp32). With one worker every delta has
 staleness 0 and weight 1, and the async run performs the same float operations in the same
@@ -408,8 +409,10 @@ DELAY4 = ["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=4"
         (["--data_parallel.staleness_policy=reject"], "staleness_policy only applies"),
         (["--data_parallel.mode=async", "--data_parallel.max_staleness=-1"], "max_staleness"),
         (["--data_parallel.mode=async", "--data_parallel.zero_stage=1"], "mode='async' with data_parallel.zero_stage"),
-        (["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"], "tensor_parallel_degree"),
-        (["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"], "pipeline_parallel_degree"),
+        (
+            ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2", "--data_parallel.zero_stage=1"],
+            "mode='async' with data_parallel.zero_stage",
+        ),
         (["--data_parallel.mode=async", "--simulate.speed_change=3:1:0.5"], "simulate.speed_change"),
         (
             ["--data_parallel.mode=diloco", "--data_parallel.outer_momentum_delay=4"],
@@ -426,7 +429,7 @@ DELAY4 = ["--data_parallel.mode=async", "--data_parallel.outer_momentum_delay=4"
 )
 def test_async_config_refusals(overrides, match):
     """Catches: async settings (Delayed Nesterov, DyLU too) accepted (and silently ignored) in another mode, a negative
-    bound, and async combined with sharding, tp, pp or speed changes it does not support; a
+    bound, and async combined with ZeRO on single-rank or tp replicas or speed changes, which it does not support; a
     Delayed Nesterov delay below 1, or one without Nesterov momentum (it would only divide the
     outer learning rate by N)."""
     with pytest.raises(ConfigError, match=match):
@@ -440,7 +443,7 @@ def test_async_world_checks():
     drifting."""
     cfg = load_config(None, ["--data_parallel.mode=async", "--training.global_batch_size=8",
                              "--training.micro_batch_size=2"])  # fmt: skip
-    with pytest.raises(ConfigError, match="needs at least 2 processes.*--nproc"):
+    with pytest.raises(ConfigError, match="needs at least 2 model replicas.*--nproc"):
         check_world(cfg, 1)
     with pytest.raises(ConfigError, match="not divisible by the 3 async workers"):
         check_world(cfg, 4)  # 3 workers × 2 samples do not divide 8
@@ -596,9 +599,9 @@ def test_delayed_nesterov_state_resumes_mid_window_bit_for_bit():
         dn_outer(2).load_state_dict(state)
 
 
-# Through the trainer: one worker, 8 steps, H = 2, a checkpoint (a pause) at step 4. Marked slow: a
-# second spawn (~20 s on the loaded 2-core machine, process start-up most of it) beyond the
-# exchange's, which covers the algorithm in `make test`.
+# Through the trainer: one worker, 8 steps, H = 2, a checkpoint (a pause) at step 4 (~20 s on the
+# loaded 2-core machine, process start-up most of it): also the reference of the replicas of two
+# ranks below.
 ASYNC = ["--training.steps=8", "--checkpoint.interval=4", "--checkpoint.keep_last=3",
          "--data_parallel.mode=async", "--data_parallel.inner_steps=2",
          "--distributed.probe_topology=false"]  # fmt: skip
@@ -631,7 +634,6 @@ def final_model(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return torch.load(target, weights_only=False)["model"]
 
 
-@pytest.mark.slow
 def test_trainer_async_resume_continues_the_run(trained, tmp_path):
     """Catches: the server's θ_global, outer momentum or round counter, or the worker's inner
     optimizer state lost across a checkpoint (the resumed losses and final model would differ),
@@ -646,7 +648,6 @@ def test_trainer_async_resume_continues_the_run(trained, tmp_path):
         assert torch.equal(got[name], want[name]), name
 
 
-@pytest.mark.slow
 def test_trainer_records_staleness_of_every_delta(trained):
     """Catches: deltas applied without their τ in metrics.jsonl or summary.json, and a summary
     whose outer step count or throughput does not come from the server's rounds."""
@@ -656,3 +657,99 @@ def test_trainer_records_staleness_of_every_delta(trained):
     assert summary["outer_steps"] == 4 and summary["staleness_applied"] == {"0": 4}
     assert summary["staleness_rejected"] == {} and summary["final_step"] == 8
     assert summary["tokens_per_s"] > 0 and summary["val_loss"] < whole[0]["loss"]
+
+
+# Async with replicas of two ranks (4 processes: a server replica and one worker replica): the same
+# 8-step run as `trained`'s one-rank replicas, with a server evaluation every 2 steps (the server's
+# two ranks evaluate together), and the tp 2 run resumed from its step-4 checkpoint.
+LAYOUTS = {
+    "tp2": ["--parallel.tensor_parallel_degree=2"],
+    "pp2": ["--parallel.pipeline_parallel_degree=2"],
+    "r2_zero3": ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"],
+}
+EVAL2 = ["--training.eval_interval=2"]
+
+
+def train_layouts(out: str) -> None:
+    """Each of :data:`LAYOUTS` in one spawn, then tp 2 resumed from its step-4 checkpoint."""
+    from loomtrain.trainer import train
+
+    for name, extra in LAYOUTS.items():
+        train(load_config(None, [*TINY, *ASYNC, *EVAL2, *extra, f"--run.out_dir={out}", f"--run.name={name}"]))
+    train(load_config(None, [*TINY, *ASYNC, *EVAL2, *LAYOUTS["tp2"], f"--run.out_dir={out}", "--run.name=tp2_resumed",
+                             f"--checkpoint.resume={out}/tp2/checkpoints/step_00000004"]))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("async_layouts")
+    spawn_once(train_layouts, 4, str(out), timeout_s=300)
+    return out
+
+
+def test_replicas_of_several_ranks_equal_one_rank_replicas(trained, layouts, tmp_path):
+    """Catches, for async replicas split by tp 2, a pipeline of 2 stages or 2 dp_shard ranks
+    with ZeRO-3 (the server replica holding θ_global split the same way): a server rank other
+    than the leader that does not repeat the leader's sends and settlements (its shard of
+    θ_global would stay at the initial weights or drift), ranks paired with the wrong server
+    rank, a worker replica's batch not split over its dp_shard ranks or its loss not averaged
+    over them, ZeRO's full copies not refreshed when θ_global is written, and a server
+    evaluation that the server's other ranks do not join (it would hang). One worker: every
+    delta has staleness 0, so each layout must give the one-rank replicas' round losses (1e-5
+    relative: tp and ZeRO change only the order of float sums) and final model (1e-5 relative
+    or 1e-6 absolute: AdamW's m/√v turns a reordered sum's last bit on a near-zero gradient into
+    up to 4e-7 here; a shard left behind is off by ~1e-3) and the same validation losses as
+    each other."""
+    want_losses = [r["loss"] for r in records(trained / "whole")]
+    want_model = final_model(trained / "whole", tmp_path)
+    val = {}
+    for name in LAYOUTS:
+        got = records(layouts / name)
+        assert [r["round"] for r in got if "round" in r] == [0, 1, 2, 3], name
+        torch.testing.assert_close([r["loss"] for r in got if "round" in r], want_losses, rtol=1e-5, atol=0)
+        val[name] = [r["val_loss"] for r in got if "val_loss" in r]
+        model = final_model(layouts / name, tmp_path)
+        assert model.keys() == want_model.keys(), name
+        for key in want_model:
+            torch.testing.assert_close(model[key], want_model[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    assert len(val["tp2"]) == 3
+    torch.testing.assert_close(val["pp2"], val["tp2"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(val["r2_zero3"], val["tp2"], rtol=1e-5, atol=0)
+
+
+def test_resume_of_tensor_parallel_replicas_continues_the_run(layouts, tmp_path):
+    """Catches: a server follower's (or a worker's second rank's) θ_global shard, outer momentum
+    or inner optimizer state lost across a checkpoint of replicas of two ranks: the resumed tp 2
+    run must repeat the uninterrupted one's rounds after step 4 and end on its final model bit
+    for bit."""
+    whole, resumed = records(layouts / "tp2"), records(layouts / "tp2_resumed")
+    assert [(r["round"], r["loss"]) for r in resumed if r["step"] > 4 and "round" in r] == [
+        (r["round"], r["loss"]) for r in whole if r["step"] > 4 and "round" in r
+    ]
+    want, got = final_model(layouts / "tp2", tmp_path), final_model(layouts / "tp2_resumed", tmp_path)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def train_two_tp_workers(out: str) -> dict:
+    """6 processes: a server replica and two worker replicas of tp 2, 16 steps, τ ≤ 1 applied."""
+    from loomtrain.trainer import train
+
+    return train(load_config(None, [*TINY, *ASYNC, *LAYOUTS["tp2"], "--training.steps=16",
+                                    "--data_parallel.max_staleness=1", f"--run.out_dir={out}",
+                                    "--run.name=two_workers"]))  # fmt: skip
+
+
+@pytest.mark.slow  # 6 processes on 2 cores: ~25 s
+def test_two_tensor_parallel_workers_keep_the_staleness_rule(tmp_path):
+    """Catches, with deltas of two tp 2 worker replicas arriving in any order: a server
+    follower that settles another worker's delta than its leader did, or takes them in another
+    order (its version or the round index would disagree: it raises), a delta applied beyond
+    max_staleness, and a run that does not end with every worker round settled."""
+    spawn_once(train_two_tp_workers, 6, str(tmp_path), timeout_s=300)
+    got = [r for r in records(tmp_path / "two_workers") if "round" in r]
+    assert sorted(r["round"] for r in got) == list(range(len(got))) and {r["worker"] for r in got} == {2, 4}
+    assert sum(r["local_steps"] for r in got) == 2 * 16
+    assert all(r["applied"] == (r["staleness"] <= 1) for r in got)
+    summary = json.loads((tmp_path / "two_workers" / "summary.json").read_text())
+    assert summary["outer_steps"] == sum(r["applied"] for r in got) and summary["final_step"] == 16

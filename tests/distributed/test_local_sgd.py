@@ -459,7 +459,8 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     """Catches: a local mode accepted with ZeRO when every dp rank is a replica (nothing to
     shard over), Ulysses sp, compression or data balancing, which would run with a gradient
     synchronizer or replica layout the outer sync ignores; ZeRO with tp inside replicas, or
-    async with replicas of several ranks, a pipeline or 2D tp, none of them built; or replicas
+    async with 2D tp, not built; or async's replicas of several ranks (dp_shard with ZeRO, tp,
+    a pipeline) refused, or replicas
     of dp_shard ranks with ZeRO (also streaming's), streaming and quantized DiLoCo on
     pipelines, or the sync-family modes with 2D tp, refused where they compose."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
@@ -469,20 +470,22 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     with pytest.raises(ConfigError, match="with data_parallel.zero_stage=3 is not supported yet"):
         load_config(None, ["--data_parallel.mode=diloco", *replicas, "--parallel.tensor_parallel_degree=2"])
     assert load_config(None, ["--data_parallel.mode=streaming_diloco", *replicas]).data_parallel.zero_stage == 3
-    with pytest.raises(ConfigError, match="with parallel.data_parallel_replicate_degree=2 is not supported yet"):
-        load_config(None, ["--data_parallel.mode=async", replicas[0]])
-    with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=2"):
-        load_config(None, ["--data_parallel.mode=async", "--parallel.tensor_parallel_degree=2"])
+    for layout in ([replicas[0]], replicas, ["--parallel.tensor_parallel_degree=2"]):  # async: replica 0 serves
+        assert load_config(None, ["--data_parallel.mode=async", *layout]).data_parallel.mode == "async"
     for mode in (["--data_parallel.mode=streaming_diloco"],
                  ["--data_parallel.mode=diloco", "--data_parallel.outer_grad_dtype=int8"]):  # fmt: skip
         pp2 = load_config(None, [*mode, "--parallel.pipeline_parallel_degree=2"])  # each stage syncs its part
         assert pp2.parallel.pipeline_parallel_degree == 2
-    with pytest.raises(ConfigError, match="with parallel.pipeline_parallel_degree=2 is not supported yet"):
-        load_config(None, ["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"])
+    assert (
+        load_config(
+            None, ["--data_parallel.mode=async", "--parallel.pipeline_parallel_degree=2"]
+        ).parallel.pipeline_parallel_degree
+        == 2
+    )
     grid = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d", "--model.dim=64", "--model.n_heads=4"]
     for mode in ("local_sgd", "diloco", "streaming_diloco"):  # each rank's 2D blocks averaged over its dp group
         assert load_config(None, [f"--data_parallel.mode={mode}", *grid]).parallel.tp_mode == "2d"
-    with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tensor_parallel_degree=4"):
+    with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tp_mode='2d'"):
         load_config(None, ["--data_parallel.mode=async", *grid])
 
 

@@ -26,6 +26,13 @@ per applied delta; with ``outer_momentum_delay = N > 1`` it is Liu et al.'s Dela
 (:class:`DelayedNesterov`): the momentum moves once per N deltas, on their mean, so a stale
 delta is not multiplied by the momentum again at every later delta.
 
+Replicas of several ranks (tp, a pipeline, or dp_shard ranks with ZeRO inside; cut as the
+sync-family modes cut them, :class:`AsyncLayout`): the server is replica 0, holding ``θ_global``
+split as every replica splits its model, with the outer state sharded alike; the rank at position
+``j`` of a worker replica exchanges only with the server's rank ``j``. The server's first rank
+(the leader) decides the order of every exchange and tells its other ranks, which repeat it on
+their shards (:class:`ServerMirror`, :class:`ServerFollower`).
+
 Transport: point-to-point messages on a gloo group (``dist.isend``/``dist.irecv``; the server
 receives from any source, ``src=None``, which gloo supports and NCCL does not), CPU fp32
 tensors: ``[header (HEADER numbers), payload (Σ numel)]`` in one message each way. Every wait has a
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -69,8 +77,10 @@ from loomtrain.distributed.local_sgd import (
     check_identical,
     flatten,
     holding,
+    replicas_sync_inside,
     write_flat,
 )
+from loomtrain.distributed.parallel_dims import Axis, ParallelDims
 from loomtrain.distributed.traffic import GRADIENT_AXIS
 from loomtrain.optim import lr_at, set_lr
 from loomtrain.profiling import StepProfiler
@@ -79,6 +89,7 @@ log = logging.getLogger(__name__)
 
 # Server → worker commands (header[1]).
 CONTINUE, PAUSE, STOP, PREEMPT = 0, 1, 2, 3
+ENDS = {PAUSE: "pause", STOP: "done", PREEMPT: "preempt"}
 # Numbers before the payload in every message (fp32: exact integers below 2**24). Server → worker:
 # version, command, round index, first_step, steps, offset; worker → server: base version, round
 # index, mean loss, SIGTERM seen, seconds of the round's inner steps, 0.
@@ -252,11 +263,13 @@ def build_async_outer_optimizer(flat: torch.Tensor, cfg: DataParallelConfig) -> 
 class AsyncOuter:
     """The asynchronous mode's state on every rank (what the trainer checkpoints and evaluates).
 
-    ``θ_global`` is one flat fp32 tensor of ``Σ p.numel()`` elements (``params`` order): on the
-    server the global model, on a worker the model it last received (its delta's base). The
-    outer optimizer (:func:`build_async_outer_optimizer`: SGD with DiLoCo's defaults from
-    ``cfg``, or Delayed Nesterov) steps it on the server only. ``group``: where the initial
-    parameters are checked identical (a collective).
+    ``θ_global`` is one flat fp32 tensor of ``Σ p.numel()`` elements (``params`` order, what this
+    rank holds of each: its tp shard, stage or ZeRO rows): on the server the global model, on a
+    worker the model it last received (its delta's base). The outer optimizer
+    (:func:`build_async_outer_optimizer`: SGD with DiLoCo's defaults from ``cfg``, or Delayed
+    Nesterov) steps it on the server only. ``group``: where the initial parameters are checked
+    identical (a collective). ``written``: called whenever θ_global has been written into the
+    parameters (ZeRO's ``after_step``: its full copies follow its masters).
 
     Attributes:
         version: outer updates applied (server); the received model's version (worker).
@@ -272,9 +285,11 @@ class AsyncOuter:
     """
 
     def __init__(self, params: list[nn.Parameter], inner_optimizer: torch.optim.Optimizer, cfg: DataParallelConfig,
-                 group: dist.ProcessGroup | None = None, hook: CommHook | None = None):  # fmt: skip
+                 group: dist.ProcessGroup | None = None, hook: CommHook | None = None,
+                 written: Callable[[], None] = lambda: None):  # fmt: skip
         self.params, self.inner_optimizer, self.cfg = list(params), inner_optimizer, cfg
         self.hook = hook if hook is not None else LocalOnlyHook()
+        self.written = written
         self.global_flat = flatten(self.params)
         if group is not None:
             check_identical(self.global_flat, group, "the initial parameters")
@@ -303,7 +318,12 @@ class AsyncOuter:
 
     def global_weights(self) -> contextlib.AbstractContextManager[None]:
         """Inside it, the parameters hold ``θ_global``; this rank's own are back afterwards."""
-        return holding(self.params, self.global_flat)
+        return holding(self.params, self.global_flat, self.written)
+
+    def take_global(self) -> None:
+        """The parameters become ``θ_global`` (a worker's new base; every rank at the end)."""
+        write_flat(self.global_flat, self.params)
+        self.written()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: ``mode`` ("async"), ``global`` (1-D fp32 copy),
@@ -350,7 +370,7 @@ class AsyncOuter:
         # Checkpoints written before dynamic local steps lack these; run_async replays their lanes.
         self.lanes, self.speeds = list(state.get("lanes", [])), dict(state.get("speeds", {}))
         self.local_steps = Counter(state.get("local_steps", {}))
-        write_flat(self.global_flat, self.params)
+        self.take_global()
 
     def _check_saved_settings(self, state: dict[str, Any]) -> None:
         """Raise unless ``state`` was saved with this run's ``inner_steps`` and
@@ -403,6 +423,174 @@ def _wait(work: dist.Work, seconds: float, what: Callable[[], str]) -> None:
         raise AsyncTimeoutError(what()) from err
 
 
+def send_model(outer: AsyncOuter, group: dist.ProcessGroup, dst: int, command: int, fields: list[int],
+               timeout_s: float) -> None:  # fmt: skip
+    """Send global rank ``dst`` the header (version, ``command``, the round's four ``fields``)
+    and this rank's ``θ_global``, counting the bytes.
+
+    Raises:
+        AsyncTimeoutError: ``dst`` did not take it within ``timeout_s``.
+    """
+    message = torch.cat([torch.tensor([outer.version, command, *fields], dtype=torch.float32),
+                         outer.global_flat.cpu()])  # fmt: skip
+    outer.hook.bytes_sent += message.numel() * 4
+    outer.hook.dense_bytes += message.numel() * 4
+    work = dist.isend(message, dst=dst, group=group)
+    _wait(work, timeout_s, lambda: f"async server rank {dist.get_rank()}: could not send to worker rank {dst} "
+                                   f"within {timeout_s:.0f} s (distributed.timeout_s)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AsyncLayout:
+    """Where this rank sits in the asynchronous exchange. ``replicas[r]``: replica ``r``'s global
+    ranks in mesh order (pp, dp_shard, tp coordinates row-major), the same order in every
+    replica; replica 0 is the server, its ranks hold ``θ_global`` split as every replica splits
+    its model. ``position``: this rank's index in its replica. Rank ``replicas[r][j]`` talks only
+    to ``replicas[0][j]``; position 0 of the server (the leader) decides the order of all
+    exchanges, the server's other ranks follow it (:class:`ServerMirror`)."""
+
+    replicas: list[list[int]]
+    replica: int
+    position: int
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims, inside: bool) -> AsyncLayout:
+        """The replicas of ``dims``: its ``dp_replicate`` groups when ``inside``
+        (:func:`~loomtrain.distributed.local_sgd.replicas_sync_inside`), else every dp rank with
+        its tp and pp ranks (as the sync-family modes cut them)."""
+        ranks = dims.mesh_ranks()  # [pp, dp_replicate, dp_shard, sp, tp]
+        across = (1,) if inside else (1, 2)
+        rest = [d for d in range(ranks.dim()) if d not in across]
+        count = math.prod(ranks.shape[d] for d in across)
+        replicas = ranks.permute(*across, *rest).reshape(count, -1).tolist()
+        me = dist.get_rank()
+        replica = next(r for r, members in enumerate(replicas) if me in members)
+        return cls(replicas, replica, replicas[replica].index(me))
+
+    @property
+    def server(self) -> int:
+        """The server rank this rank exchanges with (itself on the server)."""
+        return self.replicas[0][self.position]
+
+    @property
+    def workers(self) -> list[int]:
+        """The worker ranks at this position, replica 1 first."""
+        return [members[self.position] for members in self.replicas[1:]]
+
+    @property
+    def role(self) -> str:
+        """``"leader"`` (the server's position 0), ``"follower"`` (its other ranks) or ``"worker"``."""
+        return "worker" if self.replica else "follower" if self.position else "leader"
+
+    def groups(self, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """This rank's gloo groups (a collective: every rank creates every group): the channel of
+        its position (its server rank and workers) and the server replica's control group
+        (``None`` off the server or on a server of one rank)."""
+        timeout = timedelta(seconds=timeout_s)
+        channel = None
+        for j in range(len(self.replicas[0])):
+            group = dist.new_group([members[j] for members in self.replicas], backend="gloo", timeout=timeout)
+            channel = group if j == self.position else channel
+        if len(self.replicas[0]) == 1:
+            return channel, None
+        control = dist.new_group(self.replicas[0], backend="gloo", timeout=timeout)
+        return channel, control if self.replica == 0 else None
+
+
+# Leader → follower instructions: [kind, replica, version, command or round index, 4 round fields, weight].
+SEND, SETTLE, EVALUATE, EXIT = 0, 1, 2, 3
+INSTRUCTION = 9
+
+
+class ServerMirror:
+    """The server leader's side of a server replica of several ranks: tells each ``follower``
+    (global ranks, over ``control``) what the leader just did, so each repeats it on its shard
+    of ``θ_global`` in the same order (:class:`ServerFollower`). Every instruction carries the
+    leader's version, which each follower checks against its own."""
+
+    def __init__(self, control: dist.ProcessGroup, followers: list[int], timeout_s: float):
+        self.control, self.followers, self.timeout_s = control, followers, timeout_s
+
+    def send(self, replica: int, version: int, command: int, fields: list[int]) -> None:
+        """Send ``replica``'s ranks the header and your shard."""
+        self._tell([SEND, replica, version, command, *fields, 0.0])
+
+    def settle(self, replica: int, version: int, index: int, weight: float | None) -> None:
+        """Receive ``replica``'s delta of round ``index``; apply it with ``weight`` (``None``:
+        rejected, dropped)."""
+        self._tell([SETTLE, replica, version, index, 0, 0, 0, 0, math.nan if weight is None else weight])
+
+    def evaluate(self, version: int) -> None:
+        """Join the validation of ``θ_global`` (its collectives span the server replica)."""
+        self._tell([EVALUATE, 0, version, 0, 0, 0, 0, 0, 0.0])
+
+    def exit(self, version: int, command: int) -> None:
+        """The server's turn ends with ``command`` (PAUSE, STOP or PREEMPT)."""
+        self._tell([EXIT, 0, version, command, 0, 0, 0, 0, 0.0])
+
+    def _tell(self, numbers: list[float]) -> None:
+        message = torch.tensor(numbers, dtype=torch.float64)
+        for rank in self.followers:
+            work = dist.isend(message, dst=rank, group=self.control)
+            _wait(work, self.timeout_s, lambda r=rank: f"async server leader: could not reach server rank {r} "
+                                                       f"within {self.timeout_s:.0f} s")  # fmt: skip
+
+
+class ServerFollower:
+    """A server rank other than the leader: holds ``θ_global``'s shard of its position and
+    repeats the leader's instructions (:class:`ServerMirror`) with the ``workers`` of its
+    position (global ranks, replica 1 first) over ``channel``. ``evaluate``: the validation
+    that the leader's evaluations need this rank in.
+
+    Raises (from :meth:`follow`):
+        AsyncTimeoutError: no instruction from ``leader`` within twice ``timeout_s`` (a round's
+            deadline plus the leader's own), or a worker's delta not within ``timeout_s``.
+        RuntimeError: an instruction's version is not this rank's (the shards would diverge),
+            or a worker returned another round than the leader settled.
+    """
+
+    def __init__(self, outer: AsyncOuter, channel: dist.ProcessGroup, control: dist.ProcessGroup, leader: int,
+                 workers: list[int], timeout_s: float, evaluate: Callable[[], float]):  # fmt: skip
+        self.outer, self.channel, self.control, self.leader = outer, channel, control, leader
+        self.workers, self.timeout_s, self.evaluate = workers, timeout_s, evaluate
+        self.buf = torch.empty(HEADER + outer.global_flat.numel())
+
+    def follow(self) -> str:
+        """Carry out instructions until EXIT; returns ``"pause"``, ``"done"`` or ``"preempt"``."""
+        while True:
+            kind, replica, version, command, *fields, weight = self._instruction()
+            if int(version) != self.outer.version:
+                raise RuntimeError(f"async server rank {dist.get_rank()}: the leader is at version {int(version)}, "
+                                   f"this rank at {self.outer.version}: θ_global's shards would diverge")  # fmt: skip
+            worker = self.workers[int(replica) - 1] if replica else -1
+            if kind == SEND:
+                send_model(self.outer, self.channel, worker, int(command), [int(f) for f in fields], self.timeout_s)
+            elif kind == SETTLE:
+                self._settle(worker, int(command), None if math.isnan(weight) else weight)
+            elif kind == EVALUATE:
+                self.evaluate()
+            else:
+                return ENDS[int(command)]
+
+    def _instruction(self) -> list[float]:
+        message = torch.empty(INSTRUCTION, dtype=torch.float64)
+        work = dist.irecv(message, src=self.leader, group=self.control)
+        _wait(work, 2 * self.timeout_s, lambda: f"async server rank {dist.get_rank()}: no instruction from the "
+                                                f"server leader (rank {self.leader}) within {2 * self.timeout_s:.0f} "
+                                                "s; it died or hangs: see its log")  # fmt: skip
+        return message.tolist()
+
+    def _settle(self, worker: int, index: int, weight: float | None) -> None:
+        work = dist.irecv(self.buf, src=worker, group=self.channel)
+        _wait(work, self.timeout_s, lambda: f"async server rank {dist.get_rank()}: worker rank {worker} sent no "
+                                            f"delta within {self.timeout_s:.0f} s of its leader's")  # fmt: skip
+        if int(self.buf[1]) != index:
+            raise RuntimeError(f"async server rank {dist.get_rank()}: worker rank {worker} returned round "
+                               f"{int(self.buf[1])}, its replica's leader round {index}")  # fmt: skip
+        if weight is not None:
+            self.outer.apply(self.buf[HEADER:].to(self.outer.global_flat.device), weight)
+
+
 class ParameterServer:
     """The server side (module docstring) over ``group`` for the ``workers`` (global ranks).
 
@@ -410,13 +598,17 @@ class ParameterServer:
     seconds a worker may take to return a round (``distributed.timeout_s``); ``on_settled``:
     called after each returned round (logging, evaluation). ``stop_requested``: polled before each
     assignment; once true no new round is handed out and :meth:`serve` ends with ``"preempt"``.
+    ``mirror``: where the server replica has more ranks (tp, pp or ZeRO inside a replica), the
+    channel that makes them repeat this rank's every send and settlement on their shards, in
+    this rank's order (:class:`ServerMirror`); ``None`` on a server of one rank.
     """
 
     def __init__(self, outer: AsyncOuter, group: dist.ProcessGroup, workers: list[int], planner: RoundPlanner,
                  timeout_s: float, on_settled: Callable[[Settled], None] | None = None,
-                 stop_requested: Callable[[], bool] = lambda: False):  # fmt: skip
+                 stop_requested: Callable[[], bool] = lambda: False, mirror: ServerMirror | None = None):  # fmt: skip
         self.outer, self.group, self.workers, self.planner = outer, group, workers, planner
         self.timeout_s, self.on_settled, self.stop_requested = timeout_s, on_settled, stop_requested
+        self.mirror = mirror
         self.cfg = outer.cfg
         self.numel = outer.global_flat.numel()
         self.outstanding: dict[int, tuple[Round, float]] = {}  # worker → (its round, when handed out)
@@ -443,7 +635,9 @@ class ParameterServer:
         command = PREEMPT if self.preempt else STOP if self.planner.done else PAUSE
         for worker in self.workers:
             self._send(worker, command, [-1, 0, 0, 0])
-        return {PREEMPT: "preempt", STOP: "done", PAUSE: "pause"}[command]
+        if self.mirror is not None:
+            self.mirror.exit(self.outer.version, command)
+        return ENDS[command]
 
     def _assign(self, worker: int, limit: int) -> None:
         """Send ``worker`` the model with its next round (cut before step ``limit``); with none
@@ -458,25 +652,24 @@ class ParameterServer:
             self._send(worker, CONTINUE, [rnd.index, rnd.first_step, rnd.steps, rnd.offset])
 
     def _send(self, worker: int, command: int, fields: list[int]) -> None:
-        """Send ``worker`` the header (``command``, round ``fields``) and ``θ_global``."""
-        outer = self.outer
-        message = torch.cat([torch.tensor([outer.version, command, *fields], dtype=torch.float32),
-                             outer.global_flat.cpu()])  # fmt: skip
-        outer.hook.bytes_sent += message.numel() * 4
-        outer.hook.dense_bytes += message.numel() * 4
-        work = dist.isend(message, dst=worker, group=self.group)
-        _wait(work, self.timeout_s, lambda: f"async server: could not send to worker rank {worker} within "
-                                            f"{self.timeout_s:.0f} s (distributed.timeout_s)")  # fmt: skip
+        """Send ``worker`` the header (``command``, round ``fields``) and ``θ_global`` (the
+        server's other ranks the same header and their shards, through :attr:`mirror`)."""
+        send_model(self.outer, self.group, worker, command, fields, self.timeout_s)
+        if self.mirror is not None:
+            self.mirror.send(self._replica(worker), self.outer.version, command, fields)
+
+    def _replica(self, worker: int) -> int:
+        return self.workers.index(worker) + 1
 
     def _receive(self, buf: torch.Tensor) -> int:
-        """Wait for the next delta from any worker into ``buf``; returns the sender's rank."""
+        """Wait for the next delta from any worker into ``buf``; returns the sender's global rank."""
         overdue = min(self.outstanding, key=lambda w: self.outstanding[w][1])
         deadline = self.outstanding[overdue][1] + self.timeout_s
         start = time.perf_counter()
         work = dist.irecv(buf, src=None, group=self.group)
         _wait(work, deadline - time.monotonic(), lambda: self._overdue_message(overdue))
         self.outer.wait_s += time.perf_counter() - start
-        return work._source_rank()
+        return dist.get_global_rank(self.group, work._source_rank())
 
     def _overdue_message(self, worker: int) -> str:
         rnd, since = self.outstanding[worker]
@@ -498,6 +691,8 @@ class ParameterServer:
         outer = self.outer
         tau = outer.version - int(base)
         weight = server_delta_weight(tau, self.cfg, len(self.workers))
+        if self.mirror is not None:
+            self.mirror.settle(self._replica(worker), outer.version, rnd.index, weight)
         if weight is None:
             outer.rejected[tau] += 1
         else:
@@ -537,7 +732,7 @@ class AsyncWorker:
         while True:
             command, rnd = self._receive()
             if rnd is None:
-                return {PAUSE: "pause", STOP: "done", PREEMPT: "preempt"}[command]
+                return ENDS[command]
             start = time.perf_counter()
             loss = self.train_round(rnd)
             seconds = time.perf_counter() - start
@@ -563,7 +758,7 @@ class AsyncWorker:
         version, command, *fields = (int(x) for x in self.buf[:HEADER].tolist())
         self.outer.version = version
         self.outer.global_flat.copy_(self.buf[HEADER:])
-        write_flat(self.outer.global_flat, self.outer.params)
+        self.outer.take_global()
         return command, Round(*fields) if command == CONTINUE else None
 
 
@@ -584,8 +779,8 @@ class _ServerLog:
     """The server's per-round records in ``metrics.jsonl`` (through the trainer's writer), and its
     evaluation of ``θ_global`` every ``training.eval_interval`` equivalent steps."""
 
-    def __init__(self, trainer: Any, workers: int):
-        self.trainer, self.workers = trainer, workers
+    def __init__(self, trainer: Any, workers: int, mirror: ServerMirror | None):
+        self.trainer, self.workers, self.mirror = trainer, workers, mirror
         t = trainer.cfg.training
         self.batch_tokens = t.global_batch_size // workers * t.seq_len  # one worker step's tokens
         self.start_steps = trainer.outer.worker_steps
@@ -614,35 +809,42 @@ class _ServerLog:
         }  # fmt: skip
         step = self.step
         if step // t.eval_interval > self.logged_step // t.eval_interval and step < t.steps:
-            record["val_loss"] = self.evaluate()
+            if self.mirror is not None:
+                self.mirror.evaluate(outer.version)
+            record["val_loss"] = evaluate_global(trainer)
         trainer.metrics.writer.log(step, record)
         trainer.metrics.writer.advance(step - self.logged_step)
         self.logged_step, self.last_loss = step, settled.loss
 
-    def evaluate(self) -> float:
-        """Validation loss of ``θ_global`` (nats/token) over the run's fixed validation set, on
-        the server alone (the workers train on meanwhile)."""
-        from loomtrain.trainer import autocast  # the trainer imports this module
 
-        trainer, t = self.trainer, self.trainer.cfg.training
-        batches = eval_batches(trainer.data.val, t.seq_len, t.micro_batch_size, t.eval_batches)
-        with trainer.outer.global_weights():
-            trainer.pm.model.eval()
-            loss = trainer.pm.eval_loss(batches, lambda: autocast(trainer.cfg, trainer.device), trainer.device)
-            trainer.pm.model.train()
-        return loss
+def evaluate_global(trainer: Any) -> float:
+    """Validation loss of ``θ_global`` (nats/token) over the run's fixed validation set, on the
+    server replica alone (the workers train on meanwhile; each server rank evaluates every
+    batch, so the replica's tp, pp or ZeRO collectives are all it needs)."""
+    from loomtrain.trainer import autocast  # the trainer imports this module
+
+    t = trainer.cfg.training
+    batches = eval_batches(trainer.data.val, t.seq_len, t.micro_batch_size, t.eval_batches)
+    with trainer.outer.global_weights():
+        trainer.pm.model.eval()
+        loss = trainer.pm.eval_loss(batches, lambda: autocast(trainer.cfg, trainer.device), trainer.device)
+        trainer.pm.model.train()
+    return loss
 
 
-def _round_trainer(trainer: Any, workers: int) -> Callable[[Round], float]:
-    """A worker's ``train_round``: the round's inner steps through the trainer's model and
-    optimizer, its batches the round's own (``global_batch_size / W`` samples per step, the
-    stream position ``round.offset``), its learning rates those of steps ``first_step…``."""
-    from loomtrain.trainer import train_step  # the trainer imports this module
+def _round_trainer(trainer: Any, workers: int, inside: bool) -> Callable[[Round], float]:
+    """A worker replica's ``train_round``: the round's inner steps through the trainer's model
+    and optimizer, its batches the round's own (``global_batch_size / W`` samples per step, the
+    stream position ``round.offset``, split over the replica's dp_shard ranks when ``inside``),
+    its learning rates those of steps ``first_step…``. Returns the replica's mean loss."""
+    from loomtrain.trainer import mean_over_ranks, train_step  # the trainer imports this module
 
-    cfg, t = trainer.cfg, trainer.cfg.training
+    cfg, t, dims = trainer.cfg, trainer.cfg.training, trainer.dims
     samples = t.global_batch_size // workers
+    rank, ranks = (dims.rank(Axis.DP_SHARD), dims.dp_shard) if inside else (0, 1)
     # One loader, repositioned per round: a worker's rounds only move forward in the stream.
-    loader = DistributedBatchLoader(trainer.data.train, t.seq_len, samples, t.micro_batch_size, 0, 1, cfg.run.seed)
+    loader = DistributedBatchLoader(trainer.data.train, t.seq_len, samples, t.micro_batch_size, rank, ranks,
+                                    cfg.run.seed)  # fmt: skip
 
     def train_round(rnd: Round) -> float:
         loader.samples_consumed = rnd.offset * samples
@@ -650,7 +852,9 @@ def _round_trainer(trainer: Any, workers: int) -> Callable[[Round], float]:
         for j in range(rnd.steps):
             set_lr(trainer.optimizer, lr_at(rnd.first_step + j, t))
             total += train_step(trainer.pm, trainer.optimizer, loader.next_step(), cfg, trainer.device)
-        return total / rnd.steps
+        if ranks == 1:
+            return total / rnd.steps
+        return mean_over_ranks(total / rnd.steps, trainer.device, dims.shard_mesh.get_group())
 
     return train_round
 
@@ -676,35 +880,46 @@ def _planner(trainer: Any, workers: int) -> RoundPlanner:
 
 def run_async(trainer: Any) -> dict:
     """Train ``trainer`` (a :class:`~loomtrain.trainer.Trainer` built with ``mode="async"``) to
-    ``training.steps``: rank 0 serves (:class:`ParameterServer`), the others work
-    (:class:`AsyncWorker`). Every checkpoint is a pause: the server stops handing out rounds,
-    waits for the ones out, and all ranks save together (``θ_global`` as the model, each rank's
-    :class:`AsyncOuter` state in its own file). Returns the run's summary (``summary.json``).
+    ``training.steps``: replica 0 serves (:class:`ParameterServer` on its first rank, which must
+    be rank 0, :class:`ServerFollower` on its others), the other replicas work
+    (:class:`AsyncWorker` on each of their ranks; :class:`AsyncLayout`). Every checkpoint is a
+    pause: the server stops handing out rounds, waits for the ones out, and all ranks save
+    together (``θ_global`` as the model, each rank's :class:`AsyncOuter` state in its own file).
+    Returns the run's summary (``summary.json``).
 
     Raises:
         AsyncTimeoutError: a worker or the server sent nothing within ``distributed.timeout_s``.
+        RuntimeError: the rank placement put another rank than 0 first in the server replica.
     """
     cfg, t, ck = trainer.cfg, trainer.cfg.training, trainer.cfg.checkpoint
     outer: AsyncOuter = trainer.outer
-    rank, workers = dist.get_rank(), list(range(1, dist.get_world_size()))
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.distributed.timeout_s))
-    planner = _planner(trainer, len(workers))
+    inside = replicas_sync_inside(cfg.data_parallel, trainer.dims)
+    layout = AsyncLayout.from_dims(trainer.dims, inside)
+    if layout.replicas[0][0] != 0:
+        raise RuntimeError(f"async: the server replica's first rank is {layout.replicas[0][0]}, not rank 0 (which "
+                           "writes the metrics); use the launcher's rank order")  # fmt: skip
+    channel, control = layout.groups(cfg.distributed.timeout_s)
+    workers = len(layout.replicas) - 1
+    planner = _planner(trainer, workers)
     trainer.profiler = StepProfiler(cfg, trainer.device, trainer.start_step, trainer.events)
     pauses = pause_steps(t.steps, planner.inner_steps, ck.interval, min(planner.lanes)) if ck.enabled else []
-    log_ = _ServerLog(trainer, len(workers)) if rank == 0 else None
+    mirror = ServerMirror(control, layout.replicas[0][1:], cfg.distributed.timeout_s) if control else None
+    log_ = _ServerLog(trainer, workers, mirror) if layout.role == "leader" else None
     sent_before = outer.hook.bytes_sent
     reason = "pause"
     while reason == "pause":
-        pause_at = next((p for p in pauses if p > min(planner.lanes)), None) if rank == 0 else None
-        if rank == 0:
-            server = ParameterServer(outer, group, workers, planner, cfg.distributed.timeout_s, log_,
-                                     lambda: trainer.preemption.requested)  # fmt: skip
-            reason = server.serve(pause_at)
+        if layout.role == "leader":
+            pause_at = next((p for p in pauses if p > min(planner.lanes)), None)
+            reason = ParameterServer(outer, channel, layout.workers, planner, cfg.distributed.timeout_s, log_,
+                                     lambda: trainer.preemption.requested, mirror).serve(pause_at)  # fmt: skip
+        elif layout.role == "follower":
+            reason = ServerFollower(outer, channel, control, layout.replicas[0][0], layout.workers,
+                                    cfg.distributed.timeout_s, lambda: evaluate_global(trainer)).follow()  # fmt: skip
         else:
-            train_round = _round_trainer(trainer, len(workers))
-            reason = AsyncWorker(outer, group, 0, cfg.distributed.timeout_s, train_round,
+            reason = AsyncWorker(outer, channel, layout.server, cfg.distributed.timeout_s,
+                                 _round_trainer(trainer, workers, inside),
                                  lambda: trainer.preemption.requested).run()  # fmt: skip
-        box = [reason, outer.worker_steps // len(workers)]
+        box = [reason, outer.worker_steps // workers]
         dist.broadcast_object_list(box, src=0)  # every rank is back: the server's verdict and step
         reason, trainer.step = box
         if reason == "preempt":
@@ -719,7 +934,7 @@ def _finish(trainer: Any, log_: _ServerLog | None, sent: int) -> dict:
     The server's training seconds and the run's equivalent steps make the summary's tokens/s."""
     cfg, t = trainer.cfg, trainer.cfg.training
     outer: AsyncOuter = trainer.outer
-    write_flat(outer.global_flat, outer.params)
+    outer.take_global()
     trainer.step = t.steps
     trainer.metrics.train_traffic[GRADIENT_AXIS] += sent
     if log_ is not None:

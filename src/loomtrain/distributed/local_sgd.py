@@ -639,7 +639,8 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
     if cfg.mode == "async":
         from loomtrain.distributed.async_dp import AsyncOuter  # it imports this module
 
-        return AsyncOuter([p for p in model.parameters() if p.requires_grad], inner_optimizer, cfg, group, hook)
+        return AsyncOuter([p for p in model.parameters() if p.requires_grad], inner_optimizer, cfg, group, hook,
+                          written)  # fmt: skip
     if cfg.mode == "diloco" and cfg.outer_grad_dtype != "fp32":
         # DiLoCo is streaming DiLoCo with one fragment and no overlap (tested equal in fp32), so its
         # quantized outer gradients take that path (Streaming DiLoCo §2.5 quantizes them; the
@@ -656,8 +657,9 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
 def replicas_sync_inside(cfg: DataParallelConfig, dims: ParallelDims) -> bool:
     """Whether a local mode's replicas are the ``dp_replicate`` groups, each of ``dp_shard``
     ranks that average their gradients every step (plain data parallelism or ZeRO inside the
-    replica, DiLoCo's usual setting), rather than every dp rank a replica of its own."""
-    return cfg.mode in OUTER_SYNC_MODES and dims.dp_replicate > 1
+    replica, DiLoCo's usual setting), rather than every dp rank a replica of its own. Async's
+    replicas are cut the same way (replica 0 serves)."""
+    return cfg.mode in (*OUTER_SYNC_MODES, "async") and dims.dp_replicate > 1
 
 
 def outer_group(cfg: DataParallelConfig, dims: ParallelDims) -> dist.ProcessGroup:
