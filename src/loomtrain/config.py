@@ -1034,17 +1034,15 @@ class Config(_Section):
         2D blocks or stage over its dp group; streaming's fragments are cut from the whole
         model's blocks, each stage syncing its part), and all three with replicas
         of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
-        replica, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
+        replica, also with 1D tp, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
         inside a replica, for now. ``async`` takes the same replicas (replica 0 serves, the
         others work; 1D tp, not the 2D grid)."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
-        # ZeRO's masters inside a replica: of whole parameters (1D tp's would need ZeRO's tp mesh
-        # without the replicate axis).
-        replicas = p.data_parallel_replicate_degree
-        zero = self.data_parallel.zero_stage if replicas > 1 and p.tensor_parallel_degree == 1 else 0
+        # ZeRO inside a replica of dp_shard ranks (with 1D tp: its masters on the (dp_shard_sp, tp) mesh).
+        zero = self.data_parallel.zero_stage if p.data_parallel_replicate_degree > 1 and p.tp_mode != "2d" else 0
         grid = "tensor_parallel" if mode == "async" and p.tp_mode == "2d" else p.tp_mode
         plain = [
             ("data_parallel.zero_stage", self.data_parallel.zero_stage, zero),
@@ -1063,8 +1061,8 @@ class Config(_Section):
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
                     "by 1D or 2D tp (async: 1D only), over dp_shard ranks with plain DP or ZeRO "
-                    "(parallel.data_parallel_replicate_degree > 1, without tp), or by a pipeline, but not otherwise "
-                    f"sharded or compressed); set {name}={needed!r} or data_parallel.mode='sync'"
+                    "(parallel.data_parallel_replicate_degree > 1; ZeRO not with 2D tp), or by a pipeline, but not "
+                    f"otherwise sharded or compressed); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
         if mode == "async" and self.simulate.speed_change:
             raise ValueError(

@@ -458,7 +458,7 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     """Catches: a local mode accepted with ZeRO when every dp rank is a replica (nothing to
     shard over), Ulysses sp, compression or data balancing, which would run with a gradient
-    synchronizer or replica layout the outer sync ignores; ZeRO with tp inside replicas, or
+    synchronizer or replica layout the outer sync ignores; ZeRO with 2D tp inside replicas, or
     async with 2D tp, not built; or async's replicas of several ranks (dp_shard with ZeRO, tp,
     a pipeline) refused, or replicas
     of dp_shard ranks with ZeRO (also streaming's), streaming and quantized DiLoCo on
@@ -467,8 +467,11 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
     replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
     assert load_config(None, ["--data_parallel.mode=diloco", *replicas]).data_parallel.zero_stage == 3
+    tp2 = ["--parallel.tensor_parallel_degree=2"]  # ZeRO inside tp replicas: masters on (dp_shard_sp, tp)
+    assert load_config(None, ["--data_parallel.mode=diloco", *replicas, *tp2]).data_parallel.zero_stage == 3
+    grid = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d", "--model.dim=64", "--model.n_heads=4"]
     with pytest.raises(ConfigError, match="with data_parallel.zero_stage=3 is not supported yet"):
-        load_config(None, ["--data_parallel.mode=diloco", *replicas, "--parallel.tensor_parallel_degree=2"])
+        load_config(None, ["--data_parallel.mode=diloco", *replicas, *grid])
     assert load_config(None, ["--data_parallel.mode=streaming_diloco", *replicas]).data_parallel.zero_stage == 3
     for layout in ([replicas[0]], replicas, ["--parallel.tensor_parallel_degree=2"]):  # async: replica 0 serves
         assert load_config(None, ["--data_parallel.mode=async", *layout]).data_parallel.mode == "async"
@@ -482,7 +485,6 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
         ).parallel.pipeline_parallel_degree
         == 2
     )
-    grid = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d", "--model.dim=64", "--model.n_heads=4"]
     for mode in ("local_sgd", "diloco", "streaming_diloco"):  # each rank's 2D blocks averaged over its dp group
         assert load_config(None, [f"--data_parallel.mode={mode}", *grid]).parallel.tp_mode == "2d"
     with pytest.raises(ConfigError, match="data_parallel.mode='async' with parallel.tp_mode='2d'"):
@@ -683,6 +685,9 @@ def local_tp_cases() -> dict:
         "local_sgd_tp2": lambda: train_local_tp("local_sgd", tp2),
         "diloco_tp2": lambda: train_local_tp("diloco", [*tp2, "--data_parallel.outer_lr=1",
                                                         "--data_parallel.outer_momentum=0"]),
+        "local_sgd_r2_tp2_zero1": lambda: train_local_tp("local_sgd", [*r2, *tp2, *zero(1)]),
+        "diloco_r2_tp2_zero3": lambda: train_local_tp("diloco", [*r2, *tp2, *zero(3), "--data_parallel.outer_lr=1",
+                                                                 "--data_parallel.outer_momentum=0"]),
         "sync_dp4": lambda: train_local_tp("sync", []),
         "local_sgd_r2": lambda: train_local_tp("local_sgd", r2),
         "local_sgd_r2_zero1": lambda: train_local_tp("local_sgd", [*r2, "--data_parallel.zero_stage=1"]),
@@ -714,14 +719,19 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
     dp_shard ranks each (plain DP, ZeRO-1, ZeRO-3 inside a replica) against sync dp 4: catches
     the inner gradient averaged over the whole dp group (or not at all), the outer step summing
     different rows of ZeRO's masters (over dp_shard instead of dp_replicate), or ZeRO's full
-    copies not refreshed after the outer step wrote its masters."""
+    copies not refreshed after the outer step wrote its masters. And 2 replicas of tp 2 with
+    ZeRO-1 or ZeRO-3 inside (a shard group of one rank; its masters on the replica's own
+    ``(dp_shard_sp, tp)`` mesh) against sync tp 2 × dp 2: catches ZeRO's tp masters outer-synced
+    over the wrong group (over tp, mixing shards) or their full copies not refreshed after an
+    outer step."""
     got = spawn_once(local_tp_cases, 4, timeout_s=300)
     want = check_result(got, "sync_pp2")
     params = check_result(got, "local_sgd_pp2")
     assert params.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"local_sgd_pp2: {key}")
-    for reference, names in (("sync_tp2", ("local_sgd_tp2", "diloco_tp2")), ("sync_tp2_sp", ("local_sgd_tp2_sp",)),
+    for reference, names in (("sync_tp2", ("local_sgd_tp2", "diloco_tp2", "local_sgd_r2_tp2_zero1",
+                                           "diloco_r2_tp2_zero3")), ("sync_tp2_sp", ("local_sgd_tp2_sp",)),
                              ("sync_dp4", ("local_sgd_r2", "local_sgd_r2_zero1", "diloco_r2_zero3"))):  # fmt: skip
         want = check_result(got, reference)
         for name in names:
@@ -729,6 +739,32 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
             assert params.keys() == want.keys()
             for key in want:
                 torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def local_tp_zero_cases() -> dict:
+    tp2, r2 = ["--parallel.tensor_parallel_degree=2"], ["--parallel.data_parallel_replicate_degree=2"]
+    return run_checks({  # tp 2 × dp 4 = 8 processes; the local modes as 2 replicas of tp 2 × 2 dp_shard ranks
+        "sync_tp2_dp4": lambda: train_local_tp("sync", tp2),
+        "local_sgd_r2_tp2_zero1": lambda: train_local_tp("local_sgd", [*r2, *tp2, *zero(1)]),
+        "diloco_r2_tp2_zero3": lambda: train_local_tp("diloco", [*r2, *tp2, *zero(3), "--data_parallel.outer_lr=1",
+                                                                 "--data_parallel.outer_momentum=0"]),
+    })  # fmt: skip
+
+
+@pytest.mark.slow  # 8 processes on 2 cores: ~2 min under load (start-up most of it)
+def test_zero_with_tensor_parallel_inside_replicas_equals_sync():
+    """Catches: ZeRO-1 or ZeRO-3 inside replicas of tp 2 × 2 dp_shard ranks whose shards are cut
+    over the wrong ranks (over dp_replicate, or over tp: its masters on ZeRO's replica-local
+    ``(dp_shard_sp, tp)`` mesh), whose inner gradient is averaged beyond the replica, or whose
+    outer step mixes different rows or tp shards: local SGD (H = 1) and DiLoCo (outer lr 1, no
+    momentum) must equal synchronous tp 2 × dp 4 with SGD + momentum within 1e-5 relative."""
+    got = spawn_once(local_tp_zero_cases, 8, timeout_s=400)
+    want = check_result(got, "sync_tp2_dp4")
+    for name in ("local_sgd_r2_tp2_zero1", "diloco_r2_tp2_zero3"):
+        params = check_result(got, name)
+        assert params.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
 
 
 def local_tp2d_cases() -> dict:

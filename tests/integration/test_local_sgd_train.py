@@ -84,10 +84,15 @@ STREAMING = ["--data_parallel.mode=streaming_diloco", "--data_parallel.fragments
     [
         pytest.param(["--data_parallel.zero_stage=3"], id="diloco_zero3"),
         pytest.param(["--data_parallel.zero_stage=1", *STREAMING], id="streaming_bf16_zero1", marks=pytest.mark.slow),
+        pytest.param(
+            ["--data_parallel.zero_stage=3", "--parallel.tensor_parallel_degree=2"],
+            id="diloco_tp2_zero3",
+            marks=pytest.mark.slow,
+        ),  # replicas of tp 2, ZeRO-3 over a shard group of one rank
     ],
 )
 def test_resume_with_zero_inside_replicas_of_two_ranks(extra, tmp_path):
-    """Catches: with ZeRO inside each of 2 replicas of 2 dp_shard ranks, a replica's θ_local
+    """Catches: with ZeRO inside each of 2 replicas of 2 dp_shard ranks (or of tp 2), a replica's θ_local
     rows, its sharded AdamW moments or the outer state lost or mixed up across a restart (the
     rank file holds this rank's rows only), or ZeRO's compute copies not refreshed from the
     restored masters: the losses after the resume would differ from the uninterrupted run's.

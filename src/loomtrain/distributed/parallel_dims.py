@@ -336,6 +336,14 @@ class ParallelDims:
         return self.mesh[Axis.DP_REPLICATE, Axis.DP_SHARD_SP, Axis.TP]
 
     @cached_property
+    def shard_tp_mesh(self) -> DeviceMesh:
+        """2-D mesh ``(dp_shard_sp, tp)``: where ZeRO places a tensor-parallel shard's own shards
+        inside one replica of a local mode (its state is not replicated over ``dp_replicate``:
+        each replica trains its own)."""
+        _ = self.shard_mesh
+        return self.mesh[Axis.DP_SHARD_SP, Axis.TP]
+
+    @cached_property
     def pp_groups(self) -> dict[str, dist.ProcessGroup]:
         """Two process groups over this rank's pipeline ranks (same ``dp``, ``sp``, ``tp``
         coordinates): ``"activation"`` (the mesh's ``pp`` group) and ``"gradient"`` (a second

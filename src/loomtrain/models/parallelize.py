@@ -139,7 +139,9 @@ def split_tensors(model: Transformer, dims: ParallelDims, cfg: Config, traffic: 
         model, dims.group(Axis.TP), sequence_parallel=cfg.parallel.tp_mode == "sequence_parallel", traffic=traffic
     )
     tp_shards = {name: (dim, full_shapes[name]) for name, dim in split.items()}
-    return TensorSplit(NormLayout(frozenset(tp_shards)), tp_shards, TensorParallelLayout(dims.zero_tp_mesh, tp_shards))
+    # A local mode's replicas each hold their own ZeRO state: no replicate axis in its masters.
+    zero_mesh = dims.shard_tp_mesh if replicas_sync_inside(cfg.data_parallel, dims) else dims.zero_tp_mesh
+    return TensorSplit(NormLayout(frozenset(tp_shards)), tp_shards, TensorParallelLayout(zero_mesh, tp_shards))
 
 
 def _pipeline_executor(model: Transformer, dims: ParallelDims, cfg: Config, stage_layers: dict[int, list[str]] | None,
