@@ -1036,21 +1036,16 @@ class Config(_Section):
         of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
         replica, also with 1D tp, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
         inside a replica, for now. ``async`` takes the same replicas (replica 0 serves, the
-        others work; 1D tp, not the 2D grid)."""
+        others work)."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
         # ZeRO inside a replica of dp_shard ranks (with 1D tp: its masters on the (dp_shard_sp, tp) mesh).
         zero = self.data_parallel.zero_stage if p.data_parallel_replicate_degree > 1 and p.tp_mode != "2d" else 0
-        grid = "tensor_parallel" if mode == "async" and p.tp_mode == "2d" else p.tp_mode
         plain = [
             ("data_parallel.zero_stage", self.data_parallel.zero_stage, zero),
             ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce"),
-            # Megatron SP's and 2D tp's norm weights get their sum over tp (2D: over a grid column) from
-            # a gradient hook of their own (tensor_parallel.all_reduce_grad_hook), and SUMMA's reductions
-            # stay on the grid's row and column groups: none crosses dp, LocalOnlyHook leaves them alone.
-            ("parallel.tp_mode", p.tp_mode, grid),
             ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
             ("compression.method", self.compression.method, "none"),
             ("balance.data", b.data, False),
@@ -1060,7 +1055,7 @@ class Config(_Section):
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
-                    "by 1D or 2D tp (async: 1D only), over dp_shard ranks with plain DP or ZeRO "
+                    "by 1D or 2D tp, over dp_shard ranks with plain DP or ZeRO "
                     "(parallel.data_parallel_replicate_degree > 1; ZeRO not with 2D tp), or by a pipeline, but not "
                     f"otherwise sharded or compressed); set {name}={needed!r} or data_parallel.mode='sync'"
                 )
@@ -1181,15 +1176,14 @@ class Config(_Section):
         p, m = self.parallel, self.model
         check_2d_shapes(p.tensor_parallel_degree, dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.kv_heads,
                         ffn_hidden_dim=m.hidden_dim, micro_batch_size=self.training.micro_batch_size)  # fmt: skip
-        # Each needs work the grid does not do yet (an uneven micro-batch per rank, async's
-        # single-rank workers); local_sgd/diloco/streaming_diloco average each rank's 2D blocks
-        # over its dp group.
-        mode = self.data_parallel.mode
-        for name, value, allowed in (("data_parallel.mode", mode, "sync" if mode == "async" else mode),
-                                     ("balance.data", self.balance.data, False)):  # fmt: skip
-            if value != allowed:
-                raise ValueError(f"parallel.tp_mode='2d' with {name}={value!r} is not supported yet; set "
-                                 f"{name}={allowed!r} or use tp_mode='tensor_parallel'")  # fmt: skip
+        # An uneven micro-batch per rank needs work the grid does not do yet. The local modes
+        # average each rank's 2D blocks over its dp group; async exchanges them with the server's
+        # rank at the same grid position. Megatron SP's and 2D tp's norm weights get their sum over
+        # tp (2D: over a grid column) from a gradient hook of their own, and SUMMA's reductions stay
+        # on the grid's row and column groups: none crosses dp, LocalOnlyHook leaves them alone.
+        if self.balance.data:
+            raise ValueError("parallel.tp_mode='2d' with balance.data=True is not supported yet; set "
+                             "balance.data=False or use tp_mode='tensor_parallel'")  # fmt: skip
 
     @model_validator(mode="after")
     def _balance_fits(self) -> Config:

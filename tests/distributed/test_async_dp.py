@@ -753,3 +753,84 @@ def test_two_tensor_parallel_workers_keep_the_staleness_rule(tmp_path):
     assert all(r["applied"] == (r["staleness"] <= 1) for r in got)
     summary = json.loads((tmp_path / "two_workers" / "summary.json").read_text())
     assert summary["outer_steps"] == sum(r["applied"] for r in got) and summary["final_step"] == 16
+
+
+def train_grid_replicas(out: str) -> None:
+    """8 processes: a server replica and one worker replica, each a 2×2 grid of 2D tp."""
+    from loomtrain.trainer import train
+
+    train(load_config(None, [*TINY, *ASYNC, *EVAL2, "--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d",
+                             f"--run.out_dir={out}", "--run.name=grid"]))  # fmt: skip
+
+
+@pytest.mark.slow  # 8 processes on 2 cores: ~40 s
+def test_replicas_of_a_2d_grid_equal_one_rank_replicas(trained, tmp_path):
+    """Catches, for async replicas that are 2×2 grids of 2D tp (SUMMA's reductions on the
+    grid's rows and columns, the norm weights' sum over a grid column): a server rank that
+    does not repeat its leader's exchanges on its 2D block, a block exchanged with another grid
+    position's, or a 2D reduction lost with the dp all-reduce: one worker's round losses and
+    final model must equal the one-rank replicas' (as in the test of tp, pp and ZeRO replicas)."""
+    spawn_once(train_grid_replicas, 8, str(tmp_path), timeout_s=300)
+    got = [r for r in records(tmp_path / "grid") if "round" in r]
+    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in records(trained / "whole")],
+                               rtol=1e-5, atol=0)  # fmt: skip
+    want, model = final_model(trained / "whole", tmp_path), final_model(tmp_path / "grid", tmp_path)
+    assert model.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(model[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_another_world_size_keeps_the_saved_servers_outer_momentum(tmp_path):
+    """Catches: an async resume at another world size (a worker lost, an elastic restart) that
+    drops the server's outer momentum or version (the next deltas would take a first Nesterov
+    step again), that carries over the old workers' round plan (its lanes are of another W), or
+    that takes a split server's shard for the whole model. In-process: a server state after 5
+    Delayed Nesterov deltas, adopted by a fresh one, continues the same trajectory bit for bit."""
+    from loomtrain.distributed.async_dp import saved_server_state
+
+    whole = dn_outer(3)
+    want = dn_trajectory(whole, dn_deltas(), DN_WEIGHTS)
+    first = dn_outer(3)
+    dn_trajectory(first, dn_deltas()[:5], DN_WEIGHTS[:5])
+    first.lanes, first.next_round = [6, 4], 3
+    torch.save({"rank_state": {"outer_sync": first.state_dict()}}, tmp_path / "rank_00000.pt")
+    one_rank = {"pp": 1, "dp": 3, "dp_replicate": 1, "sp": 1, "tp": 1}
+    state = saved_server_state(tmp_path, one_rank, {**one_rank, "dp": 2})
+    resumed = dn_outer(3)
+    resumed.adopt_server_state(state)
+    assert (resumed.version, resumed.lanes, resumed.next_round) == (5, [], 0)
+    got = dn_trajectory(resumed, dn_deltas()[5:], DN_WEIGHTS[5:])
+    assert all(torch.equal(a, b) for a, b in zip(got, want[5:], strict=True))
+    assert saved_server_state(tmp_path, {**one_rank, "tp": 2}, one_rank) is None  # the server was split
+    assert saved_server_state(tmp_path, one_rank, {**one_rank, "pp": 2}) is None  # it is split now
+    assert saved_server_state(tmp_path / "missing", one_rank, one_rank) is None
+
+
+def train_three(out: str) -> None:
+    from loomtrain.trainer import train
+
+    train(load_config(None, [*TINY, *ASYNC, "--data_parallel.max_staleness=8", f"--run.out_dir={out}",
+                             "--run.name=three"]))  # fmt: skip
+
+
+def resume_on_two(out: str) -> None:
+    from loomtrain.trainer import train
+
+    resume = f"--checkpoint.resume={out}/three/checkpoints/step_00000004"
+    train(load_config(None, [*TINY, *ASYNC, "--data_parallel.max_staleness=8", f"--run.out_dir={out}",
+                             "--run.name=two", resume]))  # fmt: skip
+
+
+@pytest.mark.slow  # a 3- and a 2-process spawn: ~35 s
+def test_resume_with_a_worker_fewer_continues_the_outer_versions(tmp_path):
+    """Catches, through the trainer: a resume of a server with 2 workers on a server with one
+    that restarts the outer state (the first delta would be version 1 again) or replays the old
+    plan's rounds: the resumed run's versions continue from the checkpoint's and its rounds cover
+    steps 4 to 8 once."""
+    spawn_once(train_three, 3, str(tmp_path), timeout_s=240)
+    saved = [r for r in records(tmp_path / "three") if "round" in r and r["step"] <= 4]
+    spawn_once(resume_on_two, 2, str(tmp_path), timeout_s=240)
+    resumed = [r for r in records(tmp_path / "two") if "round" in r]
+    applied = sum(r["applied"] for r in saved)
+    assert [r["outer_version"] for r in resumed] == list(range(applied + 1, applied + 1 + len(resumed)))
+    assert sum(r["local_steps"] for r in resumed) == 8 - 4 and {r["worker"] for r in resumed} == {1}

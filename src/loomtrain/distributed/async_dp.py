@@ -62,6 +62,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -369,6 +370,31 @@ class AsyncOuter:
         self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
         # Checkpoints written before dynamic local steps lack these; run_async replays their lanes.
         self.lanes, self.speeds = list(state.get("lanes", [])), dict(state.get("speeds", {}))
+        self.local_steps = Counter(state.get("local_steps", {}))
+        self.take_global()
+
+    def adopt_server_state(self, state: dict[str, Any]) -> None:
+        """Resume from another world size's checkpoint with the saved server's ``state`` (its
+        :meth:`state_dict`; replicas of one rank there and here, so its ``θ_global`` is the whole
+        model): ``θ_global``, the outer optimizer state (momentum, Delayed Nesterov's window),
+        the version and the staleness counts carry over; the round plan, the workers' speeds and
+        the inner optimizer states start afresh (the workers are others), the plan from the
+        checkpoint's step.
+
+        Raises:
+            ValueError: as :meth:`load_state_dict` for another model, ``inner_steps`` or
+                ``outer_momentum_delay``.
+        """
+        self._check_saved_settings(state)
+        if state["global"].numel() != self.global_flat.numel():
+            raise ValueError(
+                f"the checkpoint's θ_global has {state['global'].numel()} elements, this model "
+                f"{self.global_flat.numel()}: resume with the model settings it was saved with"
+            )
+        self.global_flat.copy_(state["global"])
+        _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
+        self.version = state["version"]
+        self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
         self.local_steps = Counter(state.get("local_steps", {}))
         self.take_global()
 
@@ -760,6 +786,25 @@ class AsyncWorker:
         self.outer.global_flat.copy_(self.buf[HEADER:])
         self.outer.take_global()
         return command, Round(*fields) if command == CONTINUE else None
+
+
+def _whole_model_replicas(layout: dict[str, int]) -> bool:
+    """Whether a checkpoint manifest's ``layout`` (or :meth:`ParallelDims.layout`) makes every
+    async replica one rank holding the whole model."""
+    dp, replicate = layout.get("dp", 1), layout.get("dp_replicate", 1)
+    return layout.get("pp", 1) == layout.get("tp", 1) == layout.get("sp", 1) == 1 and replicate in (1, dp)
+
+
+def saved_server_state(checkpoint: Path, saved_layout: dict[str, int], layout: dict[str, int]) -> dict | None:
+    """The async state that rank 0, the whole server, saved in ``checkpoint`` (written with
+    ``saved_layout``), for a resume at another world size or layout (``layout``) whose server
+    is one rank too; ``None`` where either server is split (its flat ``θ_global`` would be
+    another shard) or the file is missing (a checkpoint on a disk rank 0 alone sees)."""
+    file = checkpoint / "rank_00000.pt"
+    if not (_whole_model_replicas(saved_layout) and _whole_model_replicas(layout) and file.is_file()):
+        return None
+    state = torch.load(file, weights_only=True).get("rank_state", {}).get("outer_sync")
+    return state if state and state.get("mode") == "async" else None
 
 
 def _period_start(step: int, inner_steps: int) -> int:
