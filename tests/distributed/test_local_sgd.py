@@ -59,6 +59,9 @@ INT8 = ["--data_parallel.outer_grad_dtype=int8"]
 # grid (tp 1), GRID4 on a 2×2 grid (tp 4).
 GRID1 = ["--parallel.tp_mode=2d", "--model.n_layers=1", "--training.global_batch_size=4"]
 GRID4 = ["--parallel.tensor_parallel_degree=4", *GRID1]
+# Streaming DiLoCo on the grid: 2 blocks in 2 fragments, overlap τ = 1, fp32 outer gradients (bf16
+# would round the two layouts' slightly different sums to different values).
+GRID_STREAMING = ["--model.n_layers=2", "--data_parallel.fragments=2", "--data_parallel.overlap_steps=1"]
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +232,7 @@ def all_checks() -> dict:
         "sync_grid1": lambda: train_local_tp("sync", GRID1),
         "local_sgd_grid1": lambda: train_local_tp("local_sgd", GRID1),
         "diloco_h2_grid1": lambda: train_local_tp("diloco", GRID1, 2, evaluate=True, finish=True),
+        "streaming_h2_grid1": lambda: train_local_tp("streaming_diloco", [*GRID1, *GRID_STREAMING], 2, True, True),
     })  # fmt: skip
 
 
@@ -770,6 +774,7 @@ def local_tp2d_cases() -> dict:
         "sync_2d": lambda: train_local_tp("sync", GRID4),
         "local_sgd_2d": lambda: train_local_tp("local_sgd", GRID4),
         "diloco_h2_2d": lambda: train_local_tp("diloco", GRID4, 2, evaluate=True, finish=True),
+        "streaming_h2_2d": lambda: train_local_tp("streaming_diloco", [*GRID4, *GRID_STREAMING], 2, True, True),
     })  # fmt: skip
 
 
@@ -800,6 +805,22 @@ def test_local_modes_with_2d_tensor_parallel_model_on_a_1x1_grid():
     leave both replicas bitwise identical. The grid's collectives are all over one rank here:
     whether they stay off the dp axis is the 8-process test below."""
     assert_local_modes_with_2d_tp(results(), "sync_grid1", "local_sgd_grid1", "diloco_h2_grid1")
+
+
+@pytest.mark.slow  # 8 processes on 2 cores: ~2.5 min under load (start-up most of it)
+def test_streaming_diloco_with_2d_grid_replicas_equals_one_rank_grids():
+    """Catches: streaming DiLoCo's fragments cut wrongly from a 2D grid's blocks (each grid rank
+    holds a block of every parameter, named as the whole model's), a fragment's sync over grid
+    ranks instead of the dp group, or its overlapped landing applied to another fragment: on a
+    2×2 grid × dp 2 (2 blocks, 2 fragments, H = 2, τ = 1, fp32, an evaluation inside
+    ``global_weights`` after each step, ending on a forced outer step) the gathered model must
+    equal the same run on a 1×1 grid × dp 2 (2 processes) within 1e-5 relative or 1e-6
+    absolute (the grid reorders the float sums)."""
+    want = check_result(results(), "streaming_h2_grid1")
+    got = check_result(spawn_once(local_tp2d_cases, 8, timeout_s=300), "streaming_h2_2d")
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow  # 8 processes on 2 cores: ~2.5 min under load (start-up most of it)
