@@ -341,6 +341,8 @@ BLOCKS_PER_FRAGMENT = 3
 STREAMING_FIELDS = ("fragments", "fragment_pattern", "overlap_steps", "mixing_alpha")
 # Modes whose outer gradients may cross the dp group quantized (data_parallel.outer_grad_dtype).
 QUANTIZED_OUTER_MODES = ("diloco", "streaming_diloco")
+# The other fix for ZeRO refused in a local mode: replicas of several ranks for it to shard over.
+ZERO_HINT = ", give each replica dp_shard ranks to shard over (parallel.data_parallel_replicate_degree > 1)"
 # data_parallel fields that only async reads.
 ASYNC_FIELDS = ("max_staleness", "staleness_policy", "outer_momentum_delay", "dynamic_local_steps")
 # Modes with an outer optimizer (outer_lr, outer_momentum, outer_nesterov).
@@ -1052,12 +1054,14 @@ class Config(_Section):
             ("balance.samples_per_rank", b.samples_per_rank, []),
         ]
         for name, value, needed in plain:
+            hint = ZERO_HINT if name == "data_parallel.zero_stage" and p.tp_mode != "2d" else ""
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
                     "by 1D or 2D tp, over dp_shard ranks with plain DP or ZeRO "
                     "(parallel.data_parallel_replicate_degree > 1; ZeRO not with 2D tp), or by a pipeline, but not "
-                    f"otherwise sharded or compressed); set {name}={needed!r} or data_parallel.mode='sync'"
+                    f"otherwise sharded or compressed); set {name}={needed!r}{hint}"
+                    " or data_parallel.mode='sync'"
                 )
         if mode == "async" and self.simulate.speed_change:
             raise ValueError(

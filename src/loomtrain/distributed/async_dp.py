@@ -78,6 +78,7 @@ from loomtrain.distributed.local_sgd import (
     check_identical,
     flatten,
     holding,
+    portable_state,
     replicas_sync_inside,
     write_flat,
 )
@@ -332,21 +333,21 @@ class AsyncOuter:
         ``next_round``, ``worker_steps``, ``lanes`` and ``speeds`` (what the next rounds' cuts
         depend on), ``inner_steps``, ``outer_momentum_delay``, ``applied`` and ``rejected`` (τ →
         count), ``local_steps`` (steps → count) and ``inner_optimizer`` (this rank's optimizer
-        state)."""
+        state, ZeRO's DTensor moments as this rank's local tensors)."""
         return {
             "mode": "async", "global": self.global_flat.clone(), "outer_optimizer": self.outer_optimizer.state_dict(),
             "version": self.version, "next_round": self.next_round, "worker_steps": self.worker_steps,
             "lanes": list(self.lanes), "speeds": dict(self.speeds),
             "inner_steps": self.cfg.resolved_inner_steps, "outer_momentum_delay": self.cfg.outer_momentum_delay,
             "applied": dict(self.applied), "rejected": dict(self.rejected), "local_steps": dict(self.local_steps),
-            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "inner_optimizer": portable_state(self.inner_optimizer),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict`'s output. ``None`` or another mode's state (a checkpoint of
-        another world size or mode): the loaded parameters become ``θ_global``, the outer
-        momentum restarts at zero, and :attr:`next_round` stays 0 for the caller to place
-        (with a warning).
+        another layout or mode): the loaded parameters become ``θ_global``, the outer momentum
+        and the inner optimizer state restart at zero (:meth:`forget_inner_state`), and
+        :attr:`next_round` stays 0 for the caller to place (with a warning).
 
         Raises:
             ValueError: the saved ``θ_global`` has another number of elements, or the state
@@ -354,8 +355,13 @@ class AsyncOuter:
                 or ``outer_momentum_delay`` (its outer optimizer state is another's).
         """
         if state is None or state.get("mode") != "async":
-            log.warning("no async state in the checkpoint: the loaded parameters become θ_global, outer momentum 0")
+            if not dist.is_initialized() or dist.get_rank() == 0:  # every rank drops its state alike: one line
+                log.warning(
+                    "no async state for this rank in the checkpoint (another layout or mode): the "
+                    "loaded parameters become θ_global; outer momentum, inner optimizer state start at 0"
+                )
             self.global_flat.copy_(flatten(self.params))
+            self.forget_inner_state()
             return
         self._check_saved_settings(state)
         if state["global"].numel() != self.global_flat.numel():
@@ -378,8 +384,8 @@ class AsyncOuter:
         :meth:`state_dict`; replicas of one rank there and here, so its ``θ_global`` is the whole
         model): ``θ_global``, the outer optimizer state (momentum, Delayed Nesterov's window),
         the version and the staleness counts carry over; the round plan, the workers' speeds and
-        the inner optimizer states start afresh (the workers are others), the plan from the
-        checkpoint's step.
+        the inner optimizer states start afresh (the workers are others;
+        :meth:`forget_inner_state`), the plan from the checkpoint's step.
 
         Raises:
             ValueError: as :meth:`load_state_dict` for another model, ``inner_steps`` or
@@ -396,7 +402,16 @@ class AsyncOuter:
         self.version = state["version"]
         self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
         self.local_steps = Counter(state.get("local_steps", {}))
+        self.forget_inner_state()
         self.take_global()
+
+    def forget_inner_state(self) -> None:
+        """Drop the inner optimizer's state (its moments start at zero, as on a fresh worker). At
+        another layout the checkpoint's DCP copy of it is no one's: DCP keeps one copy of each
+        tensor it takes as replicated, and async's server ranks (whose optimizer never stepped)
+        and workers hold different ones, so the copy can pair one worker's second moment with the
+        server's zero first moment."""
+        self.inner_optimizer.state.clear()
 
     def _check_saved_settings(self, state: dict[str, Any]) -> None:
         """Raise unless ``state`` was saved with this run's ``inner_steps`` and
