@@ -363,20 +363,11 @@ class AsyncOuter:
             self.global_flat.copy_(flatten(self.params))
             self.forget_inner_state()
             return
-        self._check_saved_settings(state)
-        if state["global"].numel() != self.global_flat.numel():
-            raise ValueError(
-                f"the checkpoint's θ_global has {state['global'].numel()} elements, this model "
-                f"{self.global_flat.numel()}: resume with the model settings it was saved with"
-            )
-        self.global_flat.copy_(state["global"])
-        _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
+        self._restore_server(state)
         _load_optimizer_state(self.inner_optimizer, state["inner_optimizer"])
-        self.version, self.next_round, self.worker_steps = state["version"], state["next_round"], state["worker_steps"]
-        self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
+        self.next_round, self.worker_steps = state["next_round"], state["worker_steps"]
         # Checkpoints written before dynamic local steps lack these; run_async replays their lanes.
         self.lanes, self.speeds = list(state.get("lanes", [])), dict(state.get("speeds", {}))
-        self.local_steps = Counter(state.get("local_steps", {}))
         self.take_global()
 
     def adopt_server_state(self, state: dict[str, Any]) -> None:
@@ -391,6 +382,13 @@ class AsyncOuter:
             ValueError: as :meth:`load_state_dict` for another model, ``inner_steps`` or
                 ``outer_momentum_delay``.
         """
+        self._restore_server(state)
+        self.forget_inner_state()
+        self.take_global()
+
+    def _restore_server(self, state: dict[str, Any]) -> None:
+        """``θ_global``, the outer optimizer state, the version and the applied/rejected/local-step
+        counts of ``state``, after checking its settings and size (see :meth:`load_state_dict`)."""
         self._check_saved_settings(state)
         if state["global"].numel() != self.global_flat.numel():
             raise ValueError(
@@ -402,8 +400,6 @@ class AsyncOuter:
         self.version = state["version"]
         self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
         self.local_steps = Counter(state.get("local_steps", {}))
-        self.forget_inner_state()
-        self.take_global()
 
     def forget_inner_state(self) -> None:
         """Drop the inner optimizer's state (its moments start at zero, as on a fresh worker). At
