@@ -22,7 +22,7 @@ from loomtrain.cluster.throttle import CpuThrottle, parse_speed_changes, place_r
 from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
-from loomtrain.distributed.async_dp import run_async, saved_server_state
+from loomtrain.distributed.async_dp import resume_at_another_layout, run_async
 from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
 from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync, outer_group, replicas_sync_inside
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
@@ -217,17 +217,12 @@ class Trainer:
         record_resume(self.events, self.resumed_from, state.step, manifest["world_size"], self.dims.world_size, reached)
 
     def _resume_outer(self, saved: dict | None, manifest: dict) -> None:
-        """The outer loop's state: this rank's own; or, async at another world size, the saved
-        server's (its momentum kept, :func:`saved_server_state`); else afresh."""
-        server = None
+        """The outer loop's state: this rank's own; async without it (another world size or
+        layout): :func:`resume_at_another_layout`; else afresh."""
         if saved is None and self.cfg.data_parallel.mode == "async":
-            server = saved_server_state(self.resumed_from, manifest.get("layout", {}), self.dims.layout())
-        if server is None:
-            self.outer.load_state_dict(saved)
+            resume_at_another_layout(self.outer, self.resumed_from, manifest.get("layout", {}), self.dims.layout())
             return
-        self.outer.adopt_server_state(server)
-        log.info("async at another world size: the saved server's θ_global and outer momentum (version %d) kept; "
-                 "inner optimizer states and the round plan start afresh", server["version"])  # fmt: skip
+        self.outer.load_state_dict(saved)
 
     def _build_metrics(self) -> None:
         cfg = self.cfg

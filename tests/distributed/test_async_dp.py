@@ -789,16 +789,22 @@ def test_replicas_of_a_2d_grid_equal_one_rank_replicas(trained, tmp_path):
         torch.testing.assert_close(model[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def with_inner_state(outer: AsyncOuter) -> AsyncOuter:
+    """``outer`` with a momentum buffer in its inner optimizer's state (as a checkpoint loads one)."""
+    outer.inner_optimizer.state[outer.params[0]] = {"momentum_buffer": torch.ones(2, 2)}
+    return outer
+
+
 def test_another_world_size_keeps_the_saved_servers_outer_momentum(tmp_path):
     """Catches: an async resume at another world size (a worker lost, an elastic restart) that
     drops the server's outer momentum or version (the next deltas would take a first Nesterov
     step again), that carries over the old workers' round plan (its lanes are of another W), or
-    that takes a split server's shard for the whole model, or that keeps the DCP copy of the inner
-    optimizer state (the server's zero first moments beside a worker's second moments: steps of
-    1e6 times the learning rate, seen). In-process: a server state after 5 Delayed Nesterov
-    deltas, adopted by a fresh one, continues the same trajectory bit for bit, and the inner
-    optimizer state is dropped, also where no async state is found at all."""
-    from loomtrain.distributed.async_dp import saved_server_state
+    that takes a split server's shard for the whole model; and one that keeps an async
+    checkpoint's DCP copy of the inner optimizer state (the server ranks' zero first moments
+    beside a worker's second moments: steps of 1e6 times the learning rate, seen) or drops a
+    sync checkpoint's (the same on every rank, worth keeping). In-process: a server state after
+    5 Delayed Nesterov deltas, adopted by a fresh one, continues the same trajectory bit for bit."""
+    from loomtrain.distributed.async_dp import resume_at_another_layout, saved_async_state
 
     whole = dn_outer(3)
     want = dn_trajectory(whole, dn_deltas(), DN_WEIGHTS)
@@ -807,21 +813,23 @@ def test_another_world_size_keeps_the_saved_servers_outer_momentum(tmp_path):
     first.lanes, first.next_round = [6, 4], 3
     torch.save({"rank_state": {"outer_sync": first.state_dict()}}, tmp_path / "rank_00000.pt")
     one_rank = {"pp": 1, "dp": 3, "dp_replicate": 1, "sp": 1, "tp": 1}
-    state = saved_server_state(tmp_path, one_rank, {**one_rank, "dp": 2})
-    resumed = dn_outer(3)
-    resumed.inner_optimizer.state[resumed.params[0]] = {"momentum_buffer": torch.ones(2, 2)}
-    resumed.adopt_server_state(state)
+    resumed = with_inner_state(dn_outer(3))
+    resume_at_another_layout(resumed, tmp_path, one_rank, {**one_rank, "dp": 2})
     assert (resumed.version, resumed.lanes, resumed.next_round) == (5, [], 0)
-    assert not resumed.inner_optimizer.state  # DCP's copy of the inner state is no one's: dropped
+    assert not resumed.inner_optimizer.state
     got = dn_trajectory(resumed, dn_deltas()[5:], DN_WEIGHTS[5:])
     assert all(torch.equal(a, b) for a, b in zip(got, want[5:], strict=True))
-    assert saved_server_state(tmp_path, {**one_rank, "tp": 2}, one_rank) is None  # the server was split
-    assert saved_server_state(tmp_path, one_rank, {**one_rank, "pp": 2}) is None  # it is split now
-    assert saved_server_state(tmp_path / "missing", one_rank, one_rank) is None
-    fresh = dn_outer(3)
-    fresh.inner_optimizer.state[fresh.params[0]] = {"momentum_buffer": torch.ones(2, 2)}
-    fresh.load_state_dict(None)
-    assert not fresh.inner_optimizer.state and fresh.version == 0
+    for saved, now in (({**one_rank, "tp": 2}, one_rank), (one_rank, {**one_rank, "pp": 2})):  # a split server
+        split = with_inner_state(dn_outer(3))
+        resume_at_another_layout(split, tmp_path, saved, now)
+        assert split.version == 0 and not split.inner_optimizer.state
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    torch.save({"rank_state": {}}, sync / "rank_00000.pt")
+    kept = with_inner_state(dn_outer(3))
+    resume_at_another_layout(kept, sync, one_rank, {**one_rank, "dp": 2})
+    assert kept.version == 0 and kept.inner_optimizer.state
+    assert saved_async_state(tmp_path / "missing") is None
 
 
 def train_three(out: str) -> None:

@@ -346,8 +346,8 @@ class AsyncOuter:
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict`'s output. ``None`` or another mode's state (a checkpoint of
         another layout or mode): the loaded parameters become ``θ_global``, the outer momentum
-        and the inner optimizer state restart at zero (:meth:`forget_inner_state`), and
-        :attr:`next_round` stays 0 for the caller to place (with a warning).
+        restarts at zero, and :attr:`next_round` stays 0 for the caller to place (with a warning;
+        :func:`resume_at_another_layout` decides about the inner optimizer state).
 
         Raises:
             ValueError: the saved ``θ_global`` has another number of elements, or the state
@@ -357,11 +357,10 @@ class AsyncOuter:
         if state is None or state.get("mode") != "async":
             if not dist.is_initialized() or dist.get_rank() == 0:  # every rank drops its state alike: one line
                 log.warning(
-                    "no async state for this rank in the checkpoint (another layout or mode): the "
-                    "loaded parameters become θ_global; outer momentum, inner optimizer state start at 0"
+                    "no async state for this rank in the checkpoint (another layout or mode): the loaded "
+                    "parameters become θ_global, the outer momentum starts at 0"
                 )
             self.global_flat.copy_(flatten(self.params))
-            self.forget_inner_state()
             return
         self._restore_server(state)
         _load_optimizer_state(self.inner_optimizer, state["inner_optimizer"])
@@ -806,16 +805,34 @@ def _whole_model_replicas(layout: dict[str, int]) -> bool:
     return layout.get("pp", 1) == layout.get("tp", 1) == layout.get("sp", 1) == 1 and replicate in (1, dp)
 
 
-def saved_server_state(checkpoint: Path, saved_layout: dict[str, int], layout: dict[str, int]) -> dict | None:
-    """The async state that rank 0, the whole server, saved in ``checkpoint`` (written with
-    ``saved_layout``), for a resume at another world size or layout (``layout``) whose server
-    is one rank too; ``None`` where either server is split (its flat ``θ_global`` would be
-    another shard) or the file is missing (a checkpoint on a disk rank 0 alone sees)."""
+def saved_async_state(checkpoint: Path) -> dict | None:
+    """The async state rank 0 (the server's leader) saved in ``checkpoint``; ``None`` for another
+    mode's checkpoint or a missing file (a checkpoint on a disk rank 0 alone sees)."""
     file = checkpoint / "rank_00000.pt"
-    if not (_whole_model_replicas(saved_layout) and _whole_model_replicas(layout) and file.is_file()):
+    if not file.is_file():
         return None
     state = torch.load(file, weights_only=True).get("rank_state", {}).get("outer_sync")
     return state if state and state.get("mode") == "async" else None
+
+
+def resume_at_another_layout(outer: AsyncOuter, checkpoint: Path, saved_layout: dict[str, int],
+                             layout: dict[str, int]) -> None:  # fmt: skip
+    """An async resume without this rank's own state (``checkpoint`` written with
+    ``saved_layout``, this run's ``layout`` another): where both servers are one rank holding the
+    whole model, the saved server's state is adopted (:meth:`AsyncOuter.adopt_server_state`: its
+    momentum kept); otherwise the DCP model becomes ``θ_global`` with the outer momentum at zero
+    (:meth:`AsyncOuter.load_state_dict` of ``None``), and if the checkpoint is an async one its
+    DCP inner optimizer state is dropped too (:meth:`AsyncOuter.forget_inner_state`); another
+    mode's (a sync run's moments, the same on every rank) is kept."""
+    server = saved_async_state(checkpoint)
+    if server is not None and _whole_model_replicas(saved_layout) and _whole_model_replicas(layout):
+        outer.adopt_server_state(server)
+        log.info("async at another world size: the saved server's θ_global and outer momentum (version %d) kept; "
+                 "inner optimizer states and the round plan start afresh", server["version"])  # fmt: skip
+        return
+    outer.load_state_dict(None)
+    if server is not None:
+        outer.forget_inner_state()
 
 
 def _period_start(step: int, inner_steps: int) -> int:
