@@ -134,6 +134,12 @@ def test_up_then_down_leaves_nothing(name, tmp_path):
     switch = json.loads(subprocess.run(["ip", "-n", c.switch_ns, "-j", "addr"], capture_output=True).stdout)
     assert [a for link in switch for a in link["addr_info"]] == []
     p = c.popen(1, ["sleep", "60"])
+    # `down` stops the processes inside a host: this one must be inside before it runs (`ip netns
+    # exec` enters the namespace after Popen returns; a loaded machine once lost that race).
+    deadline = time.monotonic() + 10
+    while str(p.pid) not in _lines(["ip", "netns", "pids", c.netns(1)]):
+        assert time.monotonic() < deadline, "the process never entered host 1's namespace"
+        time.sleep(0.05)
     inodes = ns_inodes([c.switch_ns, *c.host_ns])
     assert sorted(cluster_down(name, tmp_path)) == sorted([c.switch_ns, *c.host_ns])
     assert p.wait(timeout=10) == -signal.SIGTERM
