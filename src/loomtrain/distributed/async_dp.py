@@ -540,9 +540,13 @@ INSTRUCTION = 9
 
 class ServerMirror:
     """The server leader's side of a server replica of several ranks: tells each ``follower``
-    (global ranks, over ``control``) what the leader just did, so each repeats it on its shard
-    of ``θ_global`` in the same order (:class:`ServerFollower`). Every instruction carries the
-    leader's version, which each follower checks against its own."""
+    (global ranks, over ``control``) each send, settlement, evaluation and end of the leader,
+    so each repeats it on its shard of ``θ_global`` in the same order (:class:`ServerFollower`).
+    Every instruction carries the leader's version, which each follower checks against its own.
+
+    Raises (from each method):
+        AsyncTimeoutError: a follower did not take an instruction within ``timeout_s``.
+    """
 
     def __init__(self, control: dist.ProcessGroup, followers: list[int], timeout_s: float):
         self.control, self.followers, self.timeout_s = control, followers, timeout_s
@@ -823,7 +827,12 @@ def resume_at_another_layout(outer: AsyncOuter, checkpoint: Path, saved_layout: 
     momentum kept); otherwise the DCP model becomes ``θ_global`` with the outer momentum at zero
     (:meth:`AsyncOuter.load_state_dict` of ``None``), and if the checkpoint is an async one its
     DCP inner optimizer state is dropped too (:meth:`AsyncOuter.forget_inner_state`); another
-    mode's (a sync run's moments, the same on every rank) is kept."""
+    mode's (a sync run's moments, the same on every rank) is kept.
+
+    Raises:
+        ValueError: the saved server's state is of another model, ``inner_steps`` or
+            ``outer_momentum_delay`` (:meth:`AsyncOuter.adopt_server_state`).
+    """
     server = saved_async_state(checkpoint)
     if server is not None and _whole_model_replicas(saved_layout) and _whole_model_replicas(layout):
         outer.adopt_server_state(server)
