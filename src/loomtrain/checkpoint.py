@@ -64,9 +64,17 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _rank_file() -> str:
-    """This rank's own file in a checkpoint: RNG and per-rank synchronizer state."""
-    return f"rank_{dist.get_rank():05d}.pt"
+def _rank_file(rank: int | None = None) -> str:
+    """A rank's own file in a checkpoint (this rank's by default): RNG and per-rank synchronizer state."""
+    return f"rank_{dist.get_rank() if rank is None else rank:05d}.pt"
+
+
+def read_rank_state(path: Path, rank: int) -> dict[str, Any]:
+    """The ``rank_state`` that ``rank`` saved in checkpoint ``path``, whatever this run's world
+    size or layout (:meth:`CheckpointManager.load` restores only this rank's own, and only at the
+    same layout); empty if its file is missing (a disk only that rank sees)."""
+    file = path / _rank_file(rank)
+    return torch.load(file, weights_only=True).get("rank_state", {}) if file.is_file() else {}
 
 
 def _fsync_dir(path: Path) -> None:

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loomtrain.checkpoint import read_rank_state
 from loomtrain.config import DataParallelConfig
 from loomtrain.data import DistributedBatchLoader, eval_batches
 from loomtrain.distributed.data_parallel import CommHook
@@ -469,11 +470,18 @@ def send_model(outer: AsyncOuter, group: dist.ProcessGroup, dst: int, command: i
     """
     message = torch.cat([torch.tensor([outer.version, command, *fields], dtype=torch.float32),
                          outer.global_flat.cpu()])  # fmt: skip
+    _post(outer, message, group, dst, timeout_s, lambda: f"async server rank {dist.get_rank()}: could not send to "
+                                                         f"worker rank {dst} within {timeout_s:.0f} s "
+                                                         "(distributed.timeout_s)")  # fmt: skip
+
+
+def _post(outer: AsyncOuter, message: torch.Tensor, group: dist.ProcessGroup, dst: int, timeout_s: float,
+          what: Callable[[], str]) -> None:  # fmt: skip
+    """Send ``message`` (1-D fp32: header and payload) to global rank ``dst``, counting its bytes
+    in ``outer.hook``; past ``timeout_s``, :class:`AsyncTimeoutError` saying ``what()``."""
     outer.hook.bytes_sent += message.numel() * 4
     outer.hook.dense_bytes += message.numel() * 4
-    work = dist.isend(message, dst=dst, group=group)
-    _wait(work, timeout_s, lambda: f"async server rank {dist.get_rank()}: could not send to worker rank {dst} "
-                                   f"within {timeout_s:.0f} s (distributed.timeout_s)")  # fmt: skip
+    _wait(dist.isend(message, dst=dst, group=group), timeout_s, what)
 
 
 @dataclass(frozen=True)
@@ -779,12 +787,9 @@ class AsyncWorker:
             self.rounds_done += 1
             delta = self.outer.global_flat - flatten(self.outer.params)
             header = torch.tensor([self.outer.version, rnd.index, loss, float(self.preempt_requested()), seconds, 0.0])
-            message = torch.cat([header, delta.cpu()])
-            self.outer.hook.bytes_sent += message.numel() * 4
-            self.outer.hook.dense_bytes += message.numel() * 4
-            work = dist.isend(message, dst=self.server, group=self.group)
-            _wait(work, self.timeout_s, lambda: f"async worker: could not send its delta to the server (rank "
-                                                f"{self.server}) within {self.timeout_s:.0f} s")  # fmt: skip
+            _post(self.outer, torch.cat([header, delta.cpu()]), self.group, self.server, self.timeout_s,
+                  lambda: f"async worker: could not send its delta to the server (rank {self.server}) within "
+                          f"{self.timeout_s:.0f} s")  # fmt: skip
 
     def _receive(self) -> tuple[int, Round | None]:
         """Wait for the server's next message; take its model as ``θ_global`` and this rank's
@@ -812,10 +817,7 @@ def _whole_model_replicas(layout: dict[str, int]) -> bool:
 def saved_async_state(checkpoint: Path) -> dict | None:
     """The async state rank 0 (the server's leader) saved in ``checkpoint``; ``None`` for another
     mode's checkpoint or a missing file (a checkpoint on a disk rank 0 alone sees)."""
-    file = checkpoint / "rank_00000.pt"
-    if not file.is_file():
-        return None
-    state = torch.load(file, weights_only=True).get("rank_state", {}).get("outer_sync")
+    state = read_rank_state(checkpoint, 0).get("outer_sync")
     return state if state and state.get("mode") == "async" else None
 
 
