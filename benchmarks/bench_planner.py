@@ -24,8 +24,14 @@ from planner_own_runs import auto_runs, own_runs
 from loomtrain.planner.arch import gpt
 from loomtrain.planner.cli import resolve_model
 from loomtrain.planner.cluster import load_cluster_spec
-from loomtrain.planner.memory import MIXED_ADAM, Layout
-from loomtrain.planner.published import MEGATRON_RUNS, constant_predictor_errors, errors, mape, table_rows
+from loomtrain.planner.published import (
+    MEGATRON_RUNS,
+    constant_predictor_errors,
+    errors,
+    mape,
+    megatron_layout,
+    table_rows,
+)
 from loomtrain.planner.search import search
 from loomtrain.planner.time import DGX_A100, tflops_per_gpu
 
@@ -37,8 +43,7 @@ SEARCHES = (("llama3-8b", 1024, 8192), ("llama3-70b", 1024, 8192), ("llama3-405b
 
 
 def _tflops(arch, tp: int, pp: int, batch: int, micro_batch: int = 1) -> float:
-    layout = Layout(seq_len=2048, micro_batch=micro_batch, dp=64 // (tp * pp), tp=tp, pp=pp,
-                    n_micro=batch // micro_batch, recompute="full", precision=MIXED_ADAM)  # fmt: skip
+    layout = megatron_layout(64 // (tp * pp), tp, pp, batch // micro_batch, micro_batch)
     return round(tflops_per_gpu(arch, layout, DGX_A100), 1)
 
 

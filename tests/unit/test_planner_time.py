@@ -16,7 +16,7 @@ from loomtrain.models.flops import flops_per_token
 from loomtrain.models.presets import preset_config
 from loomtrain.planner.arch import from_model_config, gpt
 from loomtrain.planner.cost import TILE_M, TILE_N, block_forward_flops
-from loomtrain.planner.memory import MIXED_ADAM, Layout
+from loomtrain.planner.memory import MIXED_ADAM, Layout, device_params
 from loomtrain.planner.published import MEGATRON_TABLE1, layout_of
 from loomtrain.planner.time import (
     DGX_A100,
@@ -118,10 +118,26 @@ def test_pipeline_time_is_m_plus_p_minus_1_micro_batches_under_1f1b():
     §2.2.1), and the interleaved schedule's bubble is smaller by its v."""
     layout = _layout()
     st = step_time(GPT_18B, layout, DGX_A100)
-    assert st.pipeline == pytest.approx((16 + 4 - 1) * (st.forward + st.backward))
+    assert st.pipeline == pytest.approx((16 + 4 - 1) * (st.forward + st.backward + st.grad_accumulation / 16))
     assert st.bubble == pytest.approx(3 / 19)
     interleaved = step_time(GPT_18B, _layout(schedule="interleaved_1f1b", virtual_stages=2), DGX_A100)
     assert interleaved.bubble == pytest.approx(3 / (2 * 16 + 3))
+
+
+def test_micro_batches_after_the_first_pay_a_gradient_accumulation_pass():
+    """Catches: gradient accumulation left out (each micro-batch after the first adds its weight
+    gradients into the accumulated ones: read both, write the sum, 3 · 2 bytes per 16-bit parameter
+    of the stage; at b = 1, s = 2048 ~5 % of a micro-batch, which every pipelined Megatron row was
+    predicted too fast without), charged for the first micro-batch too, or charged per ZeRO shard
+    (the stage's whole gradients accumulate: ZeRO reduces at the last micro-batch)."""
+    one = step_time(GPT_18B, _layout(n_micro=1), DGX_A100)
+    assert one.grad_accumulation == 0
+    st = step_time(GPT_18B, _layout(), DGX_A100)
+    params = device_params(GPT_18B, _layout())
+    assert st.grad_accumulation == pytest.approx(15 * params * 6 / DGX_A100.device.memory_bytes_per_s)
+    assert 0.03 < st.grad_accumulation / 16 / st.backward < 0.1
+    zero2 = step_time(GPT_18B, _layout(zero_stage=2), DGX_A100)
+    assert zero2.grad_accumulation == pytest.approx(st.grad_accumulation)
 
 
 def test_tensor_parallelism_across_hosts_is_slower_than_inside_one():
@@ -182,10 +198,16 @@ def test_ulysses_all_to_all_moves_sp_minus_1_over_sp_of_qkv_and_output():
 @pytest.mark.parametrize("run", MEGATRON_TABLE1, ids=lambda r: f"{r.params_b}B")
 def test_table1_rows_are_consistent_with_the_papers_parameter_formula(run):
     """Catches: a mistyped Table 1 row (layers, hidden size): eq. 2 of the paper,
-    12lh²(1 + 13/(12h) + (V + s)/(12lh)), must give the row's parameter count to its printed 0.1 B."""
+    12lh²(1 + 13/(12h) + (V + s)/(12lh)), must give the row's parameter count to its printed 0.1 B;
+    and a mistyped run_table_1.sh setting: the micro-batches must make the batch, and an interleaved
+    row's chunks must split the layers evenly with micro-batches a multiple of p (Megatron-LM's
+    interleaved schedule refuses anything else)."""
     arch = gpt(run.layers, run.hidden, run.heads)
     assert arch.param_count() / 1e9 == pytest.approx(run.params_b, abs=0.06)
-    assert run.gpus % (run.tp * run.pp) == 0 and layout_of(run).n_micro * layout_of(run).dp == run.batch
+    layout = layout_of(run)
+    assert run.gpus % (run.tp * run.pp) == 0 and layout.n_micro * layout.dp * layout.micro_batch == run.batch
+    if run.virtual_stages > 1:
+        assert run.layers % (run.pp * run.virtual_stages) == 0 and layout.n_micro % run.pp == 0
 
 
 def test_full_recomputation_adds_exactly_one_forward_to_the_backward():

@@ -84,6 +84,9 @@ class Layout:
         virtual_stages: chunks per pipeline rank (``interleaved_1f1b``).
         recompute: ``none``, ``selective`` (the attention core) or ``full`` (whole blocks).
         precision: element sizes (:class:`Precision`).
+        overlap_grad_reduce: the data-parallel gradient reduction runs under the last micro-batch's
+            backward as its buckets fill (loomtrain's sync, torch DDP; Megatron-core's flag of this
+            name); False: after it (Megatron-LM's local DDP of 2021, the published runs').
 
     Raises:
         ValueError: a degree or size below 1, an unknown ``zero_stage``, ``schedule`` or
@@ -105,6 +108,7 @@ class Layout:
     virtual_stages: int = 1
     recompute: str = "none"
     precision: Precision = field(default=FP32_ADAM)
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "dp_replicate", "n_micro", "virtual_stages"):

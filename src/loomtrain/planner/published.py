@@ -5,8 +5,16 @@ Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 full activation recomputation (§5.1: the FLOP count of eq. 3 assumes it):
 
 - Table 1 (weak scaling, GPT 1.7B to 1T on 32 to 3072 GPUs). The paper does not list the micro-batch
-  size or the schedule of these runs; the comparison takes ``b = 1`` and the non-interleaved 1F1B
-  schedule, and says so.
+  size, the schedule or the data-parallel implementation of these runs; the script that produced
+  the table does (Megatron-LM ``examples/sc21/run_table_1.sh``, with ``CONFIG.sh``: fp16, static loss
+  scale, full recomputation): micro-batch 16, 16, 16, 8, 4, 2, 2, 1, 1, 1; the interleaved schedule
+  for 76.1B, 145.6B, 310.1B and 529.6B (5, 5, 3 and 1 layers per virtual stage: 3, 2, 2 and 3 chunks
+  per pipeline rank); ``--DDP-impl torch`` (PyTorch DDP, its all-reduce under the backward) for the
+  rows without a pipeline, ``local`` for the others.
+- Megatron-LM's local DDP (``--DDP-impl local``: Table 1 from 39.1B, Table 2's PTD-P rows, Figs. 13
+  and 16) all-reduced the data-parallel gradients after the last micro-batch's backward, not under
+  it: its ``train_step`` (2021) called ``allreduce_gradients()`` after ``forward_backward_func``
+  returned (``Layout.overlap_grad_reduce = False``).
 - Table 2 (§5.2: the 174.6B and 529.6B models, DeepSpeed ZeRO-3 without model parallelism against
   PTD-P, batch fixed while the GPUs double). Columns: model-parallel size (1 for ZeRO-3; 96 = t 8 × p 12
   for 174.6B and 280 = t 8 × p 35 for 529.6B under PTD-P), batch, GPUs, micro-batch (ZeRO-3: 4, 2, 1
@@ -32,7 +40,10 @@ from loomtrain.planner.time import DGX_A100, tflops_per_gpu
 class PublishedRun(NamedTuple):
     """One row: ``params_b`` (billions), ``heads``, ``hidden``, ``layers``, ``tp``, ``pp``, ``gpus``,
     ``batch`` (global, sequences), ``tflops`` (achieved TFLOP/s per GPU), ``micro_batch`` (``b``),
-    ``zero_stage`` (3: DeepSpeed ZeRO-3 over all GPUs) and ``table`` (where the row is from)."""
+    ``zero_stage`` (3: DeepSpeed ZeRO-3 over all GPUs), ``table`` (where the row is from),
+    ``virtual_stages`` (chunks per pipeline rank: above 1, the interleaved schedule) and
+    ``torch_ddp`` (PyTorch DDP, whose all-reduce runs under the backward; else Megatron-LM's local
+    DDP, after it)."""
 
     params_b: float
     heads: int
@@ -46,20 +57,22 @@ class PublishedRun(NamedTuple):
     micro_batch: int = 1
     zero_stage: int = 0
     table: str = "Table 1"
+    virtual_stages: int = 1
+    torch_ddp: bool = False
 
 
 MEGATRON_TABLE1 = (
-    PublishedRun(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    PublishedRun(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    PublishedRun(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    PublishedRun(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    PublishedRun(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    PublishedRun(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    PublishedRun(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    PublishedRun(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    PublishedRun(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    PublishedRun(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, micro_batch=16, torch_ddp=True),
+    PublishedRun(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, micro_batch=16, torch_ddp=True),
+    PublishedRun(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, micro_batch=16, torch_ddp=True),
+    PublishedRun(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, micro_batch=8, torch_ddp=True),
+    PublishedRun(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, micro_batch=4),
+    PublishedRun(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, micro_batch=2, virtual_stages=3),
+    PublishedRun(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, micro_batch=2, virtual_stages=2),
+    PublishedRun(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, virtual_stages=2),
+    PublishedRun(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, virtual_stages=3),
     PublishedRun(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-)
+)  # micro-batch, virtual stages and DDP: Megatron-LM examples/sc21/run_table_1.sh
 _175B, _530B = (174.6, 96, 12288, 96), (529.6, 128, 20480, 105)
 MEGATRON_TABLE2 = (
     PublishedRun(*_175B, 1, 1, 384, 1536, 144, 4, 3, "Table 2 ZeRO-3"),
@@ -78,10 +91,22 @@ MEGATRON_TABLE2 = (
 MEGATRON_RUNS = MEGATRON_TABLE1 + MEGATRON_TABLE2
 
 
+def megatron_layout(dp: int, tp: int, pp: int, n_micro: int, micro_batch: int = 1, zero_stage: int = 0,
+                    virtual_stages: int = 1, torch_ddp: bool = False) -> Layout:  # fmt: skip
+    """A layout as Narayanan et al. ran it: sequence 2,048, full recomputation, fp16 mixed-precision
+    Adam, 1F1B (interleaved with ``virtual_stages > 1``), the data-parallel all-reduce under the
+    backward with ``torch_ddp``, after it otherwise (module docstring)."""
+    schedule = "interleaved_1f1b" if virtual_stages > 1 else "1f1b"
+    return Layout(seq_len=2048, micro_batch=micro_batch, dp=dp, tp=tp, pp=pp, n_micro=n_micro, recompute="full",
+                  precision=MIXED_ADAM, zero_stage=zero_stage, schedule=schedule, virtual_stages=virtual_stages,
+                  overlap_grad_reduce=torch_ddp)  # fmt: skip
+
+
 def layout_of(run: PublishedRun, micro_batch: int | None = None) -> Layout:
-    """The :class:`Layout` of a row: ``dp = gpus / (tp · pp)``, ``n_micro = batch / (dp · b)`` with ``b``
-    the row's micro-batch unless ``micro_batch`` is given, 1F1B, full recomputation, fp16
-    mixed-precision Adam, the row's ZeRO stage over all of ``dp``.
+    """The :func:`megatron_layout` of a row: ``dp = gpus / (tp · pp)``, ``n_micro = batch / (dp · b)``
+    with ``b`` the row's micro-batch unless ``micro_batch`` is given, the row's ZeRO stage over all of
+    ``dp`` (DeepSpeed's ZeRO-3 rows have no data-parallel all-reduce: their reduce-scatters are
+    priced with ZeRO-3's gathers), schedule and DDP.
 
     Raises:
         ValueError: the GPUs or the batch do not divide as the row needs.
@@ -91,8 +116,7 @@ def layout_of(run: PublishedRun, micro_batch: int | None = None) -> Layout:
     if dp * run.tp * run.pp != run.gpus or run.batch % (dp * micro_batch):
         raise ValueError(f"{run}: gpus must divide by tp·pp and batch by dp·micro_batch={micro_batch}")
     n_micro = run.batch // (dp * micro_batch)
-    return Layout(seq_len=2048, micro_batch=micro_batch, dp=dp, tp=run.tp, pp=run.pp, n_micro=n_micro,
-                  recompute="full", precision=MIXED_ADAM, zero_stage=run.zero_stage)  # fmt: skip
+    return megatron_layout(dp, run.tp, run.pp, n_micro, micro_batch, run.zero_stage, run.virtual_stages, run.torch_ddp)
 
 
 def predict(run: PublishedRun) -> float:

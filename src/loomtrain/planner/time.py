@@ -28,7 +28,15 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
   boundary, split over the ``t`` ranks' own network cards (Narayanan et al. §4.1 scatter/gather).
 - Data parallelism, ZeRO 0-2: a ring all-reduce of the gradients (ZeRO 1-2: reduce-scatter plus
   all-gather, the same volume; Rajbhandari et al. 2020 §7), overlapped with the last micro-batch's
-  backward (the only backward after which every gradient is final), the rest exposed.
+  backward (the only backward after which every gradient is final), the rest exposed; all of it
+  exposed where the layout does not overlap it (``Layout.overlap_grad_reduce``: Megatron-LM's
+  ``train_step`` of 2021 all-reduced after ``forward_backward_func`` returned).
+- Gradient accumulation: each micro-batch after the first adds its weight gradients into the
+  accumulated ones (PyTorch's ``AccumulateGrad`` takes the first micro-batch's gradient as it is and
+  adds the others in place; Megatron-LM's local DDP adds every micro-batch's into its ``main_grad``
+  buffer), a memory-bound pass reading both and writing the sum: ``3 · grad_bytes`` per parameter of
+  the stage, inside each micro-batch's backward. At ``b = 1``, ``s = 2048`` it is ~5 % of a
+  micro-batch (6 bytes against ``8 · b · s`` FLOP per parameter, 2 TB/s against 268 TFLOP/s).
 - ZeRO-3 (Rajbhandari et al. §7.2.2: ``3Ψ`` against data parallelism's ``2Ψ``): every micro-batch
   all-gathers the stage's parameters for its forward, again for a recomputed forward, again for its
   backward, and reduce-scatters its gradients, over the ``dp_shard`` ranks, layer by layer; prefetching
@@ -272,6 +280,8 @@ class StepTime:
         dp_exposed: the data-parallel all-reduce not hidden behind the last backward.
         optimizer: the optimizer step (memory-bound: every state read and written once).
         zero3_comm: one micro-batch's ZeRO-3 gathers and reduce-scatter (overlapped with compute).
+        grad_accumulation: the step's gradient accumulation (:func:`grad_accumulation_seconds`),
+            spread over the micro-batches' backwards inside ``pipeline``.
     """
 
     forward: float
@@ -283,6 +293,7 @@ class StepTime:
     dp_exposed: float
     optimizer: float
     zero3_comm: float = 0.0
+    grad_accumulation: float = 0.0
 
     @property
     def total(self) -> float:
@@ -476,6 +487,17 @@ def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, para
     return params / split * per_param / cluster.device.memory_rate(largest)
 
 
+def grad_accumulation_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
+    """Seconds per step one rank spends adding micro-batch gradients into the accumulated ones:
+    ``n_micro - 1`` in-place additions over the ``params`` the stage computes with (whole under
+    every ZeRO stage: ``distributed/zero.py`` reduces at the last micro-batch), each reading the
+    accumulated and the fresh gradient and writing the sum, ``3 · grad_bytes`` per parameter,
+    memory-bound at the rate of the largest tensor (an MLP matrix, ``h·f/t``). 0 for one micro-batch."""
+    grad_bytes = layout.precision.grad_bytes
+    largest = arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp * grad_bytes
+    return (layout.n_micro - 1) * params * 3 * grad_bytes / cluster.device.memory_rate(largest)
+
+
 def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float, core_share: float) -> float:
     """Seconds of a step's micro-batches on one pipeline: ``m (t_f + t_b) / (1 - bubble)`` (the
     schedule's idle share of the critical path). When ranks share cores (``core_share < 1``, times
@@ -492,26 +514,31 @@ def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
 
     The data-parallel all-reduce overlaps the last micro-batch's backward on the stage (buckets of
     finished gradients go out while earlier layers still compute); what exceeds it is exposed. All
-    of it is, where ``cluster.comm_overlap`` is false.
+    of it is, where ``cluster.comm_overlap`` or ``layout.overlap_grad_reduce`` is false.
 
     Raises:
         ValueError: as :func:`micro_batch_seconds`.
         ScheduleError: a schedule configuration :func:`theoretical_bubble` refuses.
     """
     forward, backward, tp_comm, p2p = micro_batch_seconds(arch, layout, cluster)
-    bubble = theoretical_bubble(layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages, forward, backward)
     params = device_params(arch, layout)
+    accumulation = grad_accumulation_seconds(arch, layout, cluster, params)
+    accumulating = backward + accumulation / layout.n_micro
+    bubble = theoretical_bubble(
+        layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages, forward, accumulating
+    )
     dp = dp_all_reduce_seconds(arch, layout, cluster, params)
     return StepTime(
         forward=forward,
         backward=backward,
         tp_comm=tp_comm,
         p2p=p2p,
-        pipeline=pipeline_seconds(layout.n_micro, forward, backward, bubble, cluster.core_share),
+        pipeline=pipeline_seconds(layout.n_micro, forward, accumulating, bubble, cluster.core_share),
         bubble=bubble,
-        dp_exposed=max(0.0, dp - backward) if cluster.comm_overlap else dp,
+        dp_exposed=max(0.0, dp - backward) if cluster.comm_overlap and layout.overlap_grad_reduce else dp,
         optimizer=optimizer_seconds(arch, layout, cluster, params),
         zero3_comm=sum(zero3_seconds(arch, layout, cluster)),
+        grad_accumulation=accumulation,
     )
 
 
