@@ -22,7 +22,8 @@ from loomtrain.cluster.throttle import CpuThrottle, parse_speed_changes, place_r
 from loomtrain.compression import build_comm_hook
 from loomtrain.config import Config
 from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batches, resolve_vocab
-from loomtrain.distributed.async_dp import resume_at_another_layout, run_async
+from loomtrain.distributed import async_dp, local_sgd
+from loomtrain.distributed.async_dp import run_async
 from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
 from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync, outer_group, replicas_sync_inside
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
@@ -217,10 +218,13 @@ class Trainer:
         record_resume(self.events, self.resumed_from, state.step, manifest["world_size"], self.dims.world_size, reached)
 
     def _resume_outer(self, saved: dict | None, manifest: dict) -> None:
-        """The outer loop's state: this rank's own; async without it (another world size or
-        layout): :func:`resume_at_another_layout`; else afresh."""
-        if saved is None and self.cfg.data_parallel.mode == "async":
-            resume_at_another_layout(self.outer, self.resumed_from, manifest.get("layout", {}), self.dims.layout())
+        """The outer loop's state: this rank's own; without it (another world size or layout, or
+        another mode's checkpoint) the mode's ``resume_at_another_layout`` (async's or the
+        sync-family's), which keeps what the saved rank 0's state allows."""
+        if saved is None:
+            resume = async_dp if self.cfg.data_parallel.mode == "async" else local_sgd
+            resume.resume_at_another_layout(self.outer, self.resumed_from, manifest.get("layout", {}),
+                                            self.dims.layout())  # fmt: skip
             return
         self.outer.load_state_dict(saved)
 

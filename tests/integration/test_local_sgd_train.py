@@ -73,6 +73,46 @@ def test_run_ends_on_one_model_and_only_outer_steps_send_bytes(whole):
     assert summary["comm_bytes_per_step"] == 3 * all_reduce_bytes(4 * summary["n_params"], 2) / 8
 
 
+def test_diloco_resumed_on_fewer_ranks_keeps_the_outer_momentum(whole, tmp_path):
+    """An elastic restart of one-rank replicas on fewer ranks (a replica lost). Catches: DiLoCo's
+    outer Nesterov momentum or its outer step count dropped there (the first outer step after the
+    resume would be a plain SGD step: the state written one step after the resume would hold no
+    momentum), or θ_global taken from anywhere but the checkpoint's model."""
+    checkpoint = whole / "checkpoints" / "step_00000004"
+    saved = outer_states(checkpoint)[0]
+    resumed = train(tmp_path, "one", f"--checkpoint.resume={checkpoint}", "--checkpoint.interval=1",
+                    "--checkpoint.keep_last=4", world=1)  # fmt: skip
+    (state,) = outer_states(resumed / "checkpoints" / "step_00000005")
+    assert state["outer_steps"] == saved["outer_steps"] == 1 and state["inner_done"] == 1
+    momentum = [s["outer_optimizer"]["state"][0]["momentum_buffer"] for s in (state, saved)]
+    assert momentum[1].abs().sum() > 0 and torch.equal(*momentum)
+    assert torch.equal(state["global"], saved["global"])
+
+
+def test_diloco_resumed_from_a_sync_checkpoint_starts_where_sync_stood(tmp_path):
+    """The benchmark's warm start (sync DP pretrains, DiLoCo goes on from its checkpoint, as
+    Douillard et al. 2023 §3 start from a pretrained model). Catches: a sync checkpoint resumed
+    in DiLoCo mode starting from other parameters, another step or data position (the first
+    loss after the resume would differ from sync's at that step), or θ_global not taken from
+    the loaded parameters (the first outer step would pull every replica towards another
+    model): the state saved one step after the resume holds θ_global, which must be the sync
+    checkpoint's parameters."""
+    sync_args = [*TINY, "--training.steps=8", "--checkpoint.interval=4", f"--run.out_dir={tmp_path}", "--run.name=sync"]
+    spawn(run_train, 2, sync_args, timeout_s=240)
+    start = tmp_path / "sync" / "checkpoints" / "step_00000004"
+    warm = train(
+        tmp_path, "warm", f"--checkpoint.resume={start}", "--checkpoint.interval=1", "--checkpoint.keep_last=4"
+    )
+    assert losses(warm)[5] == pytest.approx(losses(tmp_path / "sync")[5], rel=1e-6)
+    dcp_to_torch_save(start, tmp_path / "start.pt")
+    loaded = torch.cat([t.flatten() for t in torch.load(tmp_path / "start.pt", weights_only=False)["model"].values()])
+    states = outer_states(warm / "checkpoints" / "step_00000005")
+    assert len(states) == 2
+    for state in states:
+        assert state["global"].numel() == loaded.numel()
+        assert torch.equal(state["global"].sort().values, loaded.float().sort().values)
+
+
 STREAMING = ["--data_parallel.mode=streaming_diloco", "--data_parallel.fragments=2", "--data_parallel.overlap_steps=1",
              "--data_parallel.outer_grad_dtype=bf16"]  # fmt: skip
 

@@ -81,6 +81,7 @@ from loomtrain.distributed.local_sgd import (
     holding,
     portable_state,
     replicas_sync_inside,
+    whole_model_replicas,
     write_flat,
 )
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
@@ -807,13 +808,6 @@ class AsyncWorker:
         return command, Round(*fields) if command == CONTINUE else None
 
 
-def _whole_model_replicas(layout: dict[str, int]) -> bool:
-    """Whether a checkpoint manifest's ``layout`` (or :meth:`ParallelDims.layout`) makes every
-    async replica one rank holding the whole model."""
-    dp, replicate = layout.get("dp", 1), layout.get("dp_replicate", 1)
-    return layout.get("pp", 1) == layout.get("tp", 1) == layout.get("sp", 1) == 1 and replicate in (1, dp)
-
-
 def saved_async_state(checkpoint: Path) -> dict | None:
     """The async state rank 0 (the server's leader) saved in ``checkpoint``; ``None`` for another
     mode's checkpoint or a missing file (a checkpoint on a disk rank 0 alone sees)."""
@@ -836,7 +830,7 @@ def resume_at_another_layout(outer: AsyncOuter, checkpoint: Path, saved_layout: 
             ``outer_momentum_delay`` (:meth:`AsyncOuter.adopt_server_state`).
     """
     server = saved_async_state(checkpoint)
-    if server is not None and _whole_model_replicas(saved_layout) and _whole_model_replicas(layout):
+    if server is not None and whole_model_replicas(saved_layout) and whole_model_replicas(layout):
         outer.adopt_server_state(server)
         log.info("async at another world size: the saved server's θ_global and outer momentum (version %d) kept; "
                  "inner optimizer states and the round plan start afresh", server["version"])  # fmt: skip

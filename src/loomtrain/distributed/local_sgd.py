@@ -20,7 +20,10 @@ stays local to each replica and is kept across outer steps, as in DiLoCo.
 The global model ``θ_global`` is what the run evaluates and writes into the DCP checkpoint
 (:meth:`OuterSync.global_weights`); each replica's ``θ_local``, inner optimizer state, the
 outer optimizer state and the inner step counter go into its per-rank checkpoint file
-(:meth:`OuterSync.state_dict`), so a resume inside an inner phase continues the same run.
+(:meth:`OuterSync.state_dict`), so a resume inside an inner phase continues the same run. A
+resume at another world size (:func:`resume_at_another_layout`) starts a new inner phase from
+the checkpoint's θ_global; where replicas hold the whole model before and after, DiLoCo's outer
+momentum carries over from rank 0's file.
 The trainer forces an outer step after the last training step, so a run ends with one model.
 
 Streaming DiLoCo (:class:`StreamingOuterSync`): Douillard et al., "Streaming DiLoCo with
@@ -46,6 +49,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loomtrain.checkpoint import read_rank_state
 from loomtrain.compression.quantize import dequantize_int8, quantize_int8
 from loomtrain.config import DataParallelConfig
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
@@ -275,6 +280,27 @@ class OuterSync:
             self._restore(state)
         check_identical(self.global_flat, self.group, "the global parameters θ_global")
 
+    def adopt_outer_state(self, state: dict[str, Any]) -> None:
+        """Resume at another world size with a saved replica's :meth:`state_dict` (replicas of
+        one rank holding the whole model there and here): the outer optimizer state (DiLoCo's
+        momentum) and the outer step count carry over; θ_global stays the loaded model (the
+        checkpoint's model is θ_global) and a new inner phase starts from it. Nothing to adopt
+        for local SGD (no outer state).
+
+        Raises:
+            ValueError: ``state`` is of another mode or ``inner_steps`` (its momentum is another
+                run's), or its θ_global of another size or not the loaded model.
+        """
+        for name, ours in (("mode", self.mode), ("inner_steps", self.inner_steps)):
+            if state[name] != ours:
+                raise ValueError(f"the checkpoint's outer state was saved with data_parallel.{name}={state[name]}, "
+                                 f"this run has {ours}: resume with data_parallel.{name}={state[name]}")  # fmt: skip
+        if state["global"].shape != self.global_flat.shape or not torch.equal(state["global"], self.global_flat):
+            raise ValueError("the checkpoint's θ_global is not its model: resume from a checkpoint written whole")
+        if self.outer_optimizer is not None:
+            _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
+        self.inner_done, self.outer_steps = 0, state["outer_steps"]
+
     def _restore(self, state: dict[str, Any]) -> None:
         if state["global"].numel() != self.global_flat.numel():
             raise ValueError(
@@ -288,6 +314,37 @@ class OuterSync:
         self.written()
         _load_optimizer_state(self.inner_optimizer, state["inner_optimizer"])
         self.inner_done, self.outer_steps = state["inner_done"], state["outer_steps"]
+
+
+def whole_model_replicas(layout: dict[str, int]) -> bool:
+    """Whether a checkpoint manifest's ``layout`` (or :meth:`ParallelDims.layout`) makes every
+    replica of a local mode one rank holding the whole model."""
+    dp, replicate = layout.get("dp", 1), layout.get("dp_replicate", 1)
+    return layout.get("pp", 1) == layout.get("tp", 1) == layout.get("sp", 1) == 1 and replicate in (1, dp)
+
+
+def resume_at_another_layout(outer: OuterSync, checkpoint: Path, saved_layout: dict[str, int],
+                             layout: dict[str, int]) -> None:  # fmt: skip
+    """A sync-family resume without this rank's own state (``checkpoint`` written with
+    ``saved_layout``, this run's ``layout`` another): a new inner phase from the loaded θ_global,
+    and where replicas of one rank hold the whole model before and after and rank 0 saved this
+    mode's state (a sync checkpoint has none), its outer momentum and step count
+    (:meth:`OuterSync.adopt_outer_state`); otherwise the momentum restarts at zero
+    (:meth:`OuterSync.load_state_dict` of ``None``). Streaming DiLoCo's fragments always restart
+    (their in-flight sums are per layout).
+
+    Raises:
+        ValueError: as :meth:`OuterSync.adopt_outer_state`.
+    """
+    saved = read_rank_state(checkpoint, 0).get("outer_sync") or {}
+    outer.load_state_dict(None)
+    whole = whole_model_replicas(saved_layout) and whole_model_replicas(layout)
+    streaming = isinstance(outer, StreamingOuterSync) or "fragments" in saved
+    if saved.get("mode") != outer.mode or streaming or not whole:
+        return
+    outer.adopt_outer_state(saved)
+    log.info("%s at another world size: rank 0's outer momentum (outer step %d) kept", outer.mode,
+             saved["outer_steps"])  # fmt: skip
 
 
 def portable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
