@@ -13,8 +13,11 @@ way, no throttling (micro-batch 3): ``sync`` DP, ``local_sgd`` (H = 8), ``diloco
 fp32 outer gradients), ``diloco_int8`` (H = 50, int8 outer gradients), ``streaming_diloco``
 (H = 100, its default 2 fragments, overlap 1), all for ``steps``; ``diloco_long`` (H = 100 for
 3 × the steps, its own schedule: how long DiLoCo takes to reach sync DP's final loss when
-it may train past it); ``async`` (the server and one worker on host 0, two workers on host 1,
-H = 50). Plus the bytes that crossed the host links (tc counters).
+it may train past it); ``diloco_warm`` and ``diloco_warm_hosts`` (DiLoCo H = 100 from sync DP's
+checkpoint at a quarter of the steps, as Douillard et al. 2023 §3 start DiLoCo and its baseline
+from one synchronously pretrained model: 4 replicas of one rank, and 2 replicas of 2 ranks, one
+per host, whose inner all-reduces stay inside the host); ``async`` (the server and one worker
+on host 0, two workers on host 1, H = 50). Plus the bytes that crossed the host links (tc counters).
 
 Part ``throttled``: three training ranks, each limited by the kernel's CFS bandwidth control to
 a fraction of one core and pinned (``simulate.rank_speed``), two at ``FAST`` and one at a
@@ -23,15 +26,19 @@ slow rank), ``sync_balanced`` (``balance.data``: the split follows measured spee
 (4 processes: rank 0 the server at ``SERVER`` of a core, the 3 ranks as workers, H = 50) for the
 same tokens, and ``async_long`` for 3 × the tokens.
 
-Per run: final validation loss, wall seconds, tokens/s, bytes per step, the wall seconds until
-its validation loss first reached sync DP's final one (``time_to_sync_loss_s``; sync's own is its
+A warm run's curve continues sync DP's from the checkpoint's step (its time and bytes start
+where sync's stood there: the shared pretraining is paid once, by sync); its bytes per step are
+its own steps'. Per run: final validation loss, wall seconds, tokens/s, bytes per step, the
+wall seconds until its validation loss first reached sync DP's final one (``time_to_sync_loss_s``; sync's own is its
 last evaluation's) and, for async, staleness counts. Ratios are against ``sync`` of the same
 part and invocation (a shared machine: only ratios from one invocation are comparable). The
 JSON's headline figures: ``diloco_val_loss_ratio`` (DiLoCo H = 100's final validation loss over
 sync DP's, equal steps) and ``diloco_bytes_ratio`` (sync DP's bytes per step over its); the
-same for ``diloco_int8``; ``sync_loss_time_ratio`` of the fastest sync-family run to reach sync
-DP's final loss (link) and of async (throttled), over sync DP's time. The plot (validation
-loss against wall time and against bytes) goes to ``docs/img/async_dp.png``.
+same for ``diloco_int8`` and ``diloco_warm``, and ``diloco_warm_hosts_link_bytes_ratio`` (sync
+DP's bytes per step over the host links over its, tc counters); ``sync_loss_time_ratio`` of
+the fastest sync-family run to reach sync DP's final loss (link) and of async (throttled), over
+sync DP's time. The plot (validation loss against wall time and against bytes) goes to
+``docs/img/async_dp.png``.
 
     python benchmarks/bench_async_dp.py [--part link|throttled|all] [--quick] [--out FILE]
 
@@ -70,6 +77,9 @@ FAST, SLOW, SERVER = 0.6, 0.15, 0.25  # cores: 0.6 + 0.25 and 0.6 + 0.15, each w
 # final loss (measured: DiLoCo H = 100 ends 12% above it at equal steps, and at 3x passes it; async
 # ends 9% above at equal tokens and still 0.5% above at 2x)
 LONG = {"diloco_long": 3, "async_long": 3}
+# diloco_warm* start from sync DP's checkpoint at steps // WARM_SHARE: 500 of 2000, as DiLoCo's paper
+# starts from a model pretrained for 24k of its 88k steps (Douillard et al. 2023 §3)
+WARM_SHARE = 4
 COMMON = ["--metrics.progress_bar=false", "--sample.max_new_tokens=0", "--checkpoint.enabled=false",
           "--metrics.tensorboard=false", "--distributed.probe_topology=false"]  # fmt: skip
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -82,10 +92,16 @@ QUICK = {"steps": 20, "eval_interval": 5,
          "inner_steps": {"local_sgd": 2, "diloco": 5, "diloco_int8": 5, "streaming_diloco": 4, "async": 5}}  # fmt: skip
 
 
-def run_spec(nproc: int, args: list[str], scale: int = 1) -> dict:
-    """One run: its process count, CLI arguments (besides the schedule and ``COMMON``) and
-    how many times the plan's steps it trains."""
-    return {"nproc": nproc, "args": args, "scale": scale}
+def run_spec(nproc: int, args: list[str], scale: int = 1, resume: str | None = None) -> dict:
+    """One run: its process count, CLI arguments (besides the schedule and ``COMMON``), how many
+    times the plan's steps it trains, and the run (its directory's name) whose checkpoint at
+    :func:`warm_step` it resumes from (``None``: from scratch)."""
+    return {"nproc": nproc, "args": args, "scale": scale, "resume": resume}
+
+
+def warm_step(plan: dict) -> int:
+    """The step of sync DP's checkpoint the warm runs start from."""
+    return plan["steps"] // WARM_SHARE
 
 
 def mode(plan: dict, name: str, key: str | None = None) -> list[str]:
@@ -97,8 +113,11 @@ def link_runs(plan: dict) -> dict[str, dict]:
     """The link part's runs, world 4 on the emulated cluster."""
     micro, workers = "--training.micro_batch_size=3", "--training.micro_batch_size=4"  # 12 over 4 ranks / 3 workers
     diloco = [micro, *mode(plan, "diloco")]
+    every = warm_step(plan)
+    checkpoints = ["--checkpoint.enabled=true", f"--checkpoint.interval={every}",
+                   f"--checkpoint.keep_last={WARM_SHARE + 1}"]  # fmt: skip
     return {
-        "sync": run_spec(4, [micro]),
+        "sync": run_spec(4, [micro, *checkpoints]),
         "local_sgd": run_spec(4, [micro, *mode(plan, "local_sgd")]),
         "diloco": run_spec(4, diloco),
         "diloco_int8": run_spec(
@@ -106,6 +125,8 @@ def link_runs(plan: dict) -> dict[str, dict]:
         ),
         "streaming_diloco": run_spec(4, [micro, *mode(plan, "streaming_diloco")]),
         "diloco_long": run_spec(4, diloco, scale=LONG["diloco_long"]),
+        "diloco_warm": run_spec(4, diloco, resume="link_sync"),
+        "diloco_warm_hosts": run_spec(4, [*diloco, "--parallel.data_parallel_replicate_degree=2"], resume="link_sync"),
         "async": run_spec(4, [workers, *mode(plan, "async")]),
     }
 
@@ -139,8 +160,11 @@ def train(work: Path, name: str, spec: dict, plan: dict, cluster: str | None = N
         RuntimeError: the run failed; the message holds the command and the end of its stderr.
     """
     where = ["--nproc", str(spec["nproc"])] if cluster is None else ["--cluster", cluster]
+    start_from = ["--overwrite"]  # a resumed run writes a fresh directory; --overwrite would contradict it
+    if spec.get("resume"):
+        start_from = [f"--checkpoint.resume={work / spec['resume'] / 'checkpoints' / f'step_{warm_step(plan):08d}'}"]
     cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", str(CONFIG), *where,
-           f"--run.out_dir={work}", f"--run.name={name}", "--overwrite", *COMMON,
+           f"--run.out_dir={work}", f"--run.name={name}", *start_from, *COMMON,
            *schedule(plan, spec["scale"]), *spec["args"]]  # fmt: skip
     env = ENV if cluster is None else {**ENV, "LOOMTRAIN_CLUSTER_DIR": str(work / "clusters")}
     launched, start = time.time(), time.perf_counter()
@@ -196,6 +220,8 @@ def with_ratios(result: dict) -> dict:
         r["tokens_per_s_vs_sync"] = r["tokens_per_s"] / sync["tokens_per_s"]
         r["val_loss_vs_sync"] = r["val_loss"] / target
         r["bytes_ratio_sync_over_this"] = sync["comm_bytes_per_step"] / max(r["comm_bytes_per_step"], 1.0)
+        if "link_bytes_per_step" in r:
+            r["link_bytes_ratio_sync_over_this"] = sync["link_bytes_per_step"] / max(r["link_bytes_per_step"], 1.0)
         r["time_to_sync_loss_s"] = time_to(r["curve"], target)
         reached = r["time_to_sync_loss_s"]
         r["time_to_sync_loss_vs_sync"] = None if reached is None else reached / sync_time
@@ -212,9 +238,29 @@ def measure_link(plan: dict, work: Path) -> dict:
             before = sum(sum(cluster.link_bytes(h)) for h in range(2))
             figures = summarize(*train(work, f"link_{name}", run, plan, cluster=spec.name))
             crossed = sum(sum(cluster.link_bytes(h)) for h in range(2)) - before
-            result[name] = {**figures, "link_bytes_per_step": crossed / figures["steps"]}
+            start = warm_step(plan) if run["resume"] else 0
+            if start:
+                joined = continue_curve(figures["curve"], result["sync"], start)
+                figures = {**figures, "warm_start_step": start, "curve": joined}
+            result[name] = {**figures, "link_bytes_per_step": crossed / (figures["steps"] - start)}
     return {"hosts": 2, "procs_per_host": 2, "inter_rate": LINK_RATE, "steps": plan["steps"],
             "configs": link_runs(plan), "runs": with_ratios(result)}  # fmt: skip
+
+
+def continue_curve(points: list[list[float]], base: dict, step: int) -> list[list[float]]:
+    """A warm run's curve ``points`` (seconds since its own launch; bytes as :func:`curve` counts
+    them, its own steps' rate × the step) as the continuation of ``base``'s (sync DP's figures)
+    from ``step``: base's time and bytes at that step added to its own since, base's points up
+    to it in front.
+
+    Raises:
+        ValueError: ``base`` has no evaluation at ``step``.
+    """
+    before = [p for p in base["curve"] if p[0] <= step]
+    if not before or before[-1][0] != step:
+        raise ValueError(f"sync DP's curve has no evaluation at the warm start's step {step}")
+    _, seconds, sent, _ = before[-1]
+    return before + [[s, t + seconds, sent + b * (s - step) / s, loss] for s, t, b, loss in points if s > step]
 
 
 def measure_throttled(plan: dict, work: Path) -> dict:
@@ -243,9 +289,10 @@ def headline(result: dict) -> dict:
     out = {}
     if "link" in result:
         link = result["link"]["runs"]
-        for name in ("diloco", "diloco_int8"):
+        for name in ("diloco", "diloco_int8", "diloco_warm", "diloco_warm_hosts"):
             out[f"{name}_val_loss_ratio"] = link[name]["val_loss_vs_sync"]
             out[f"{name}_bytes_ratio"] = link[name]["bytes_ratio_sync_over_this"]
+        out["diloco_warm_hosts_link_bytes_ratio"] = link["diloco_warm_hosts"]["link_bytes_ratio_sync_over_this"]
         out["link_fastest_to_sync_loss"], out["link_sync_loss_time_ratio"] = fastest_to_sync_loss(link, SYNC_FAMILY)
     if "throttled" in result:
         runs_ = result["throttled"]["runs"]
@@ -294,13 +341,14 @@ def plot(result: dict, path: Path) -> None:
 
 def print_table(part: str, result: dict) -> None:
     print(f"{part}:\n{'run':<17} {'val loss':>8} {'vs sync':>7} {'to sync loss s':>14} {'vs sync':>7} "
-          f"{'tokens/s':>9} {'bytes/step':>11} {'sync/this':>9}")  # fmt: skip
+          f"{'tokens/s':>9} {'bytes/step':>11} {'sync/this':>9} {'link sync/this':>14}")  # fmt: skip
     for name, r in result["runs"].items():
         reached, ratio = r["time_to_sync_loss_s"], r["time_to_sync_loss_vs_sync"]
+        link = r.get("link_bytes_ratio_sync_over_this")  # the link part only
         print(f"{name:<17} {r['val_loss']:>8.4f} {r['val_loss_vs_sync']:>7.3f} "
               f"{'never' if reached is None else f'{reached:.0f}':>14} {'-' if ratio is None else f'{ratio:.3f}':>7} "
               f"{r['tokens_per_s']:>9.0f} {r['comm_bytes_per_step']:>11.0f} "
-              f"{r['bytes_ratio_sync_over_this']:>9.1f}")  # fmt: skip
+              f"{r['bytes_ratio_sync_over_this']:>9.1f} {'-' if link is None else f'{link:.1f}':>14}")  # fmt: skip
     for name, r in result["runs"].items():
         if "rounds_per_worker" in r:
             print(f"{name}: rounds per worker {r['rounds_per_worker']}, staleness applied {r['staleness_applied']}, "
@@ -311,7 +359,8 @@ def print_headline(figures: dict) -> None:
     """The headline figures, DiLoCo's bytes ratio last."""
     for key in ("throttled_async_sync_loss_time_ratio", "throttled_balanced_sync_loss_time_ratio",
                 "link_sync_loss_time_ratio", "diloco_int8_val_loss_ratio", "diloco_int8_bytes_ratio",
-                "diloco_val_loss_ratio", "diloco_bytes_ratio"):  # fmt: skip
+                "diloco_warm_hosts_val_loss_ratio", "diloco_warm_hosts_link_bytes_ratio", "diloco_warm_val_loss_ratio",
+                "diloco_warm_bytes_ratio", "diloco_val_loss_ratio", "diloco_bytes_ratio"):  # fmt: skip
         if key in figures:
             value = figures[key]
             print(f"{key}: {'not reached' if value is None else f'{value:.3f}'}")

@@ -74,13 +74,11 @@ def test_fig13_best_split_of_64_gpus_is_t8_p8_and_a_bad_split_costs_2x(batch):
 
 def test_fig16_micro_batch_2_is_best_for_91b_at_t8_p8():
     """Catches: a model blind to the micro-batch trade-off (bigger GEMMs against a bigger pipeline bubble):
-    at batch 512 micro-batch 2 must be the best of 1, 2, 4, 8 (Fig. 16). At batch 128 the model puts
-    b = 1 and b = 2 level (within 0.1 %), the paper b = 2 ahead; 4 and 8 must be worse there."""
-    at512 = {b: _megatron(FIG16, 8, 8, 512, b) for b in (1, 2, 4, 8)}
-    assert max(at512, key=at512.get) == 2
-    at128 = {b: _megatron(FIG16, 8, 8, 128, b) for b in (1, 2, 4, 8)}
-    assert at128[2] == pytest.approx(max(at128.values()), rel=1e-3)
-    assert max(at128[4], at128[8]) < at128[2]
+    micro-batch 2 must be the best of 1, 2, 4, 8 at batch 512 and at batch 128 (Fig. 16; at 128 the
+    model had b = 1 and 2 level until it priced gradient accumulation, which b = 1 pays twice as often)."""
+    for batch in (512, 128):
+        throughput = {b: _megatron(FIG16, 8, 8, batch, b) for b in (1, 2, 4, 8)}
+        assert max(throughput, key=throughput.get) == 2, batch
 
 
 def test_zero3_falls_behind_ptd_p_as_gpus_double():
