@@ -25,7 +25,13 @@ from loomtrain.data import Data, DistributedBatchLoader, build_data, eval_batche
 from loomtrain.distributed import async_dp, local_sgd
 from loomtrain.distributed.async_dp import run_async
 from loomtrain.distributed.balance import DataBalancer, PipelineBalancer, SpeedMonitor, rebalance_event
-from loomtrain.distributed.local_sgd import LocalOnlyHook, build_outer_sync, outer_group, replicas_sync_inside
+from loomtrain.distributed.local_sgd import (
+    LocalOnlyHook,
+    build_outer_sync,
+    outer_group,
+    outer_shard_group,
+    replicas_sync_inside,
+)
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
 from loomtrain.distributed.parallel_model import ParallelModel
 from loomtrain.distributed.preemption import Preemption
@@ -166,7 +172,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t)
         self.sync.attach_optimizer(self.optimizer)
         self.outer = build_outer_sync(dp_cfg, self.model, self.optimizer, outer_group(dp_cfg, self.dims), hook,
-                                      self.sync.after_step, cfg.model.n_layers)  # fmt: skip
+                                      self.sync.after_step, cfg.model.n_layers,
+                                      outer_shard_group(dp_cfg, self.dims))  # fmt: skip
         # async: each round reads its own batches (async_dp); this loader only carries the checkpoint's position.
         dp_rank, dp = (0, 1) if cfg.data_parallel.mode == "async" else (self.dims.dp_rank, self.dims.dp)
         self.loader = DistributedBatchLoader(

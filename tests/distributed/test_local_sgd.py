@@ -32,6 +32,7 @@ from loomtrain.distributed.local_sgd import (
     flatten,
     fragment_runs,
     outer_group,
+    outer_shard_group,
     replicas_sync_inside,
     write_flat,
 )
@@ -656,7 +657,8 @@ def train_local_tp(
     pm = parallelize_llama(model, dims, cfg, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     pm.sync.attach_optimizer(optimizer)
-    outer = build_outer_sync(dp, model, optimizer, outer_group(dp, dims), hook, pm.sync.after_step, cfg.model.n_layers)
+    outer = build_outer_sync(dp, model, optimizer, outer_group(dp, dims), hook, pm.sync.after_step, cfg.model.n_layers,
+                             outer_shard_group(dp, dims))  # fmt: skip
     t = cfg.training
     for step in range(STEPS):
         mine = batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
@@ -674,11 +676,30 @@ def zero(stage: int) -> list[str]:
     return [f"--data_parallel.zero_stage={stage}"]
 
 
+def split_outer_sum() -> tuple[torch.Tensor, int]:
+    """Local SGD (θ_global becomes the replicas' mean) over replicas {0, 1} and {2, 3}, whose
+    ranks hold equal parameters, the outer all-reduce split over each replica's 2 ranks: 7
+    elements (one pad element in the second chunk), replica r's parameters shifted by r + 1.
+    This rank's parameters after the outer step and the bytes it sent."""
+    rank = dist.get_rank()
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    inside = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(7))
+    outer = OuterSync([param], torch.optim.SGD([param], lr=0.1), across[rank % 2], "local_sgd", 1,
+                      shard_group=inside[rank // 2])  # fmt: skip
+    with torch.no_grad():
+        param.add_(rank // 2 + 1.0)
+    outer.outer_step()
+    return param.detach().clone(), outer.hook.bytes_sent
+
+
 def local_tp_cases() -> dict:
     tp2, pp2 = ["--parallel.tensor_parallel_degree=2"], ["--parallel.pipeline_parallel_degree=2"]
     sp = ["--parallel.tp_mode=sequence_parallel"]  # Megatron SP on the tp ranks
     r2 = ["--parallel.data_parallel_replicate_degree=2"]  # 2 replicas of 2 dp_shard ranks
     return run_checks({
+        "split_outer_sum": split_outer_sum,
         "sync_pp2": lambda: train_local_tp("sync", pp2),
         "local_sgd_pp2": lambda: train_local_tp("local_sgd", pp2),
         "sync_tp2": lambda: train_local_tp("sync", tp2),
@@ -860,6 +881,22 @@ def test_replicas_of_dp_shard_ranks_equal_one_rank_per_replica():
             assert params.keys() == want.keys()
             for key in want:
                 torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_outer_all_reduce_split_over_a_replicas_ranks():
+    """Catches: replicas of several plain-DP ranks each all-reducing the whole model across the
+    replicas (k times the bytes between hosts where a replica is a host), a chunk summed with
+    another position's chunk, or the padding of an uneven split leaking into the model: every rank
+    must end on the replicas' mean, having sent one all-reduce of its half-model chunk (4 of 7
+    elements, padded) and one all-gather inside its replica."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    torch.manual_seed(0)
+    mean = torch.randn(7) + 1.5
+    chunk = 4 * 4  # bytes of one padded chunk
+    for rank in range(4):
+        params, sent = check_result(got, "split_outer_sum", rank)
+        torch.testing.assert_close(params, mean)
+        assert sent == all_reduce_bytes(chunk, 2) + all_gather_bytes(2 * chunk, 2)  # across: 16 bytes, not 28
 
 
 def test_int8_outer_gradients_of_zero_sharded_replicas_stay_close_to_one_rank_replicas():

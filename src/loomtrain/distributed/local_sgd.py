@@ -173,13 +173,14 @@ class OuterSync:
     def __init__(self, params: list[nn.Parameter], inner_optimizer: torch.optim.Optimizer,
                  group: dist.ProcessGroup, mode: str, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
-                 hook: CommHook | None = None, written: Callable[[], None] = lambda: None):  # fmt: skip
+                 hook: CommHook | None = None, written: Callable[[], None] = lambda: None,
+                 shard_group: dist.ProcessGroup | None = None):  # fmt: skip
         if mode not in OUTER_SYNC_MODES:
             raise ValueError(f"mode={mode!r} is not an outer-step mode; use one of {sorted(OUTER_SYNC_MODES)}")
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps} must be at least 1")
         self.params, self.inner_optimizer, self.group = list(params), inner_optimizer, group
-        self.mode, self.inner_steps = mode, inner_steps
+        self.mode, self.inner_steps, self.shard_group = mode, inner_steps, shard_group
         self.hook = hook if hook is not None else LocalOnlyHook()
         self.written = written
         self.global_flat = flatten(self.params)
@@ -215,10 +216,9 @@ class OuterSync:
         # On CUDA the collective is queued on a stream: the wait is measured between device syncs.
         synchronize(delta.device)
         start = time.perf_counter()
-        dist.all_reduce(delta, group=self.group)
+        delta, nbytes = self._sum_over_replicas(delta)
         synchronize(delta.device)
         self.wait_s += time.perf_counter() - start
-        nbytes = all_reduce_bytes(delta.numel() * delta.element_size(), n)
         self.hook.bytes_sent += nbytes
         self.hook.dense_bytes += nbytes
         delta.div_(n)
@@ -232,6 +232,31 @@ class OuterSync:
         self.written()
         self.inner_done = 0
         self.outer_steps += 1
+
+    def _sum_over_replicas(self, delta: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``delta`` (1-D) summed over :attr:`group`, and the bytes this rank sent for it. Without
+        :attr:`shard_group`, one all-reduce of the whole. With it (replicas of ``k`` plain-DP ranks,
+        whose deltas are equal inside a replica), rank ``j`` of a replica all-reduces only the
+        ``j``-th of ``k`` chunks with the same rank of the other replicas and the replica
+        all-gathers the sums: the bytes across replicas (between hosts, with a replica per host)
+        fall ``k``-fold, the all-gather stays inside the replica (the hierarchical all-reduce's
+        split, Jia et al. 2018 §3; its intra-host reduce-scatter is not needed: the chunks are
+        already equal)."""
+        n = dist.get_world_size(self.group)
+        if self.shard_group is None:
+            dist.all_reduce(delta, group=self.group)
+            return delta, all_reduce_bytes(delta.numel() * delta.element_size(), n)
+        k, j = dist.get_world_size(self.shard_group), dist.get_rank(self.shard_group)
+        width = -(-delta.numel() // k)
+        rows = torch.zeros(k * width, dtype=delta.dtype, device=delta.device)
+        rows[: delta.numel()] = delta
+        mine = rows.view(k, width)[j].clone()
+        dist.all_reduce(mine, group=self.group)
+        parts = [torch.empty_like(mine) for _ in range(k)]
+        dist.all_gather(parts, mine, group=self.shard_group)
+        chunk = width * delta.element_size()
+        sent = all_reduce_bytes(chunk, n) + all_gather_bytes(k * chunk, k)
+        return torch.cat(parts)[: delta.numel()], sent
 
     def summary_fields(self) -> dict[str, Any]:
         """``outer_sync_s`` (:attr:`wait_s`) and ``outer_steps`` for ``summary.json``."""
@@ -682,7 +707,8 @@ class StreamingOuterSync(OuterSync):
 
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                      group: dist.ProcessGroup, hook: CommHook,
-                     written: Callable[[], None] = lambda: None, n_blocks: int | None = None) -> Any:  # fmt: skip
+                     written: Callable[[], None] = lambda: None, n_blocks: int | None = None,
+                     shard_group: dist.ProcessGroup | None = None) -> Any:  # fmt: skip
     """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
     :class:`StreamingOuterSync` for ``streaming_diloco``, and with one fragment and no overlap for
     ``diloco`` with a 16- or 8-bit ``outer_grad_dtype``; the state of the asynchronous mode,
@@ -690,7 +716,9 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
     synchronizer's). ``group``: :func:`outer_group`; ``written``: the gradient synchronizer's
     ``after_step`` (see :class:`OuterSync`); ``n_blocks``: the whole model's transformer blocks
-    (streaming's fragments; needed where ``model`` is one pipeline stage). A collective."""
+    (streaming's fragments; needed where ``model`` is one pipeline stage); ``shard_group``:
+    :func:`outer_shard_group` (local SGD and fp32 DiLoCo split their outer all-reduce over it). A
+    collective."""
     if cfg.mode == "sync":
         return None
     if cfg.mode == "async":
@@ -708,7 +736,7 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
         return StreamingOuterSync(named, inner_optimizer, group, cfg, hook, written, n_blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     return OuterSync(params, inner_optimizer, group, cfg.mode, cfg.resolved_inner_steps, cfg.outer_lr,
-                     cfg.outer_momentum, cfg.outer_nesterov, hook, written)  # fmt: skip
+                     cfg.outer_momentum, cfg.outer_nesterov, hook, written, shard_group)  # fmt: skip
 
 
 def replicas_sync_inside(cfg: DataParallelConfig, dims: ParallelDims) -> bool:
@@ -717,6 +745,15 @@ def replicas_sync_inside(cfg: DataParallelConfig, dims: ParallelDims) -> bool:
     replica, DiLoCo's usual setting), rather than every dp rank a replica of its own. Async's
     replicas are cut the same way (replica 0 serves)."""
     return cfg.mode in (*OUTER_SYNC_MODES, "async") and dims.dp_replicate > 1
+
+
+def outer_shard_group(cfg: DataParallelConfig, dims: ParallelDims) -> dist.ProcessGroup | None:
+    """The ``dp_shard`` group when a local mode's replicas are several plain-DP ranks each (no
+    ZeRO: every rank of a replica holds the same parameters, so the outer all-reduce can be split
+    over them, :meth:`OuterSync._sum_over_replicas`); else ``None``. A collective the first time."""
+    if not replicas_sync_inside(cfg, dims) or cfg.zero_stage or dims.dp_shard == 1:
+        return None
+    return dims.group(Axis.DP_SHARD)
 
 
 def outer_group(cfg: DataParallelConfig, dims: ParallelDims) -> dist.ProcessGroup:
