@@ -306,20 +306,20 @@ class OuterSync:
         check_identical(self.global_flat, self.group, "the global parameters θ_global")
 
     def adopt_outer_state(self, state: dict[str, Any]) -> None:
-        """Resume at another world size with a saved replica's :meth:`state_dict` (replicas of
-        one rank holding the whole model there and here): the outer optimizer state (DiLoCo's
-        momentum) and the outer step count carry over; θ_global stays the loaded model (the
-        checkpoint's model is θ_global) and a new inner phase starts from it. Nothing to adopt
-        for local SGD (no outer state).
+        """Resume at another world size with a saved replica's :meth:`state_dict` of this mode
+        (replicas of one rank holding the whole model there and here; :func:`resume_at_another_layout`
+        picks it): the outer optimizer state (DiLoCo's momentum) and the outer step count carry
+        over; θ_global stays the loaded model (the checkpoint's model is θ_global) and a new inner
+        phase starts from it. Nothing to adopt for local SGD (no outer state).
 
         Raises:
-            ValueError: ``state`` is of another mode or ``inner_steps`` (its momentum is another
-                run's), or its θ_global of another size or not the loaded model.
+            ValueError: ``state`` was saved with another ``inner_steps`` (its momentum is another
+                run's), or its θ_global is of another size or not the loaded model.
         """
-        for name, ours in (("mode", self.mode), ("inner_steps", self.inner_steps)):
-            if state[name] != ours:
-                raise ValueError(f"the checkpoint's outer state was saved with data_parallel.{name}={state[name]}, "
-                                 f"this run has {ours}: resume with data_parallel.{name}={state[name]}")  # fmt: skip
+        if state["inner_steps"] != self.inner_steps:
+            raise ValueError(f"the checkpoint's outer state was saved with data_parallel.inner_steps="
+                             f"{state['inner_steps']}, this run has {self.inner_steps}: resume with "
+                             f"data_parallel.inner_steps={state['inner_steps']}")  # fmt: skip
         if state["global"].shape != self.global_flat.shape or not torch.equal(state["global"], self.global_flat):
             raise ValueError("the checkpoint's θ_global is not its model: resume from a checkpoint written whole")
         if self.outer_optimizer is not None:

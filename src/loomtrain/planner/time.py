@@ -474,6 +474,12 @@ def dp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster, 
     )
 
 
+def largest_matrix(arch: Architecture, layout: Layout) -> float:
+    """Elements of the largest weight matrix on one tensor-parallel rank, ``h · max(f, h) / t``:
+    the tensor whose size sets the memory rate of the passes over all parameters."""
+    return arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp
+
+
 def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
     """The optimizer step over this rank's shard, memory-bound: parameters, gradients and optimizer
     states read, parameters and optimizer states written, once each, tensor by tensor (PyTorch's
@@ -483,7 +489,7 @@ def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, para
     p = layout.precision
     split = layout.dp_shard if layout.zero_stage >= 1 else 1
     per_param = 2 * p.param_bytes + p.grad_bytes + 2 * p.optimizer_bytes
-    largest = arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp / split * p.param_bytes
+    largest = largest_matrix(arch, layout) / split * p.param_bytes
     return params / split * per_param / cluster.device.memory_rate(largest)
 
 
@@ -494,8 +500,8 @@ def grad_accumulation_seconds(arch: Architecture, layout: Layout, cluster: Clust
     accumulated and the fresh gradient and writing the sum, ``3 · grad_bytes`` per parameter,
     memory-bound at the rate of the largest tensor (an MLP matrix, ``h·f/t``). 0 for one micro-batch."""
     grad_bytes = layout.precision.grad_bytes
-    largest = arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp * grad_bytes
-    return (layout.n_micro - 1) * params * 3 * grad_bytes / cluster.device.memory_rate(largest)
+    rate = cluster.device.memory_rate(largest_matrix(arch, layout) * grad_bytes)
+    return (layout.n_micro - 1) * params * 3 * grad_bytes / rate
 
 
 def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float, core_share: float) -> float:
