@@ -3,7 +3,7 @@
 Layout under ``<run>/checkpoints/``::
 
     step_00000500/            a complete checkpoint
-        .metadata, __0_0.distcp, ...   DCP files (model, optimizer, step, data position)
+        .metadata, __0_0.distcp, ...   DCP files (model, optimizer, step, data position, param_state)
         rank_00000.pt, ...             per-rank state that is not replicated (RNG, TrainState.rank_state)
         manifest.json                  step, world size, size and SHA-256 of every file; written last
     step_00001000.partial/    being written, or left by a crash: never loaded
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 _LAYOUT_DEFAULTS = {"pp": 1, "dp_replicate": 1}
+# The DCP key of TrainState.param_state.
+PARAM_STATE = "param_state"
 
 
 @dataclass
@@ -51,12 +53,18 @@ class TrainState:
     allowed, e.g. a communication hook's error-feedback residuals) beside the RNG in
     ``rank_XXXXX.pt`` and given back only at the same world size and layout (else empty).
     ``balance``: the load balancers' state (JSON-able, the same on every rank), kept in the
-    manifest so a resumed run can read its pipeline split before building the model."""
+    manifest so a resumed run can read its pipeline split before building the model.
+    ``param_state``: state shaped like the parameters beside the optimizer's, by entry then
+    parameter name (``{"outer_momentum": {name: tensor}}``), each tensor shaped like what this
+    rank holds of its parameter (a DTensor placed like it where the parameter is one): DCP
+    writes it sharded like the model, so it reshards to any layout. Only saved:
+    :func:`load_param_state` reads an entry back."""
 
     step: int
     loader: dict[str, Any]
     sync: dict[str, dict[str, Any]] = field(default_factory=lambda: {"shared": {}, "per_rank": {}})
     balance: dict[str, Any] = field(default_factory=dict)
+    param_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def _sha256(path: Path) -> str:
@@ -206,10 +214,14 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         if sharding is not None:
             sharding.wrap_state_dicts(model_sd, optim_sd)
+            for entry in state.param_state.values():
+                sharding.wrap_state_dicts(entry, {})
         # The small training state travels as one JSON string: DCP stores a non-tensor leaf
         # whole, whereas a nested dict would need a template with the same keys to load into.
         train = json.dumps({"step": state.step, "loader": state.loader, "extra": state.sync["shared"]})
         app = {"model": model_sd, "optim": optim_sd, "train": train}
+        if state.param_state:  # checkpoints without it keep the keys they always had
+            app[PARAM_STATE] = state.param_state
         torch.save({"rng": _rng_state(), "rank_state": state.sync["per_rank"]}, tmp / _rank_file())
         if self._async_group is None:
             dcp.save(app, checkpoint_id=tmp)
@@ -319,12 +331,36 @@ def _load_states(path: Path, model, optimizer, sharding: StateDictSharding | Non
     return app["train"]
 
 
+def load_param_state(path: Path, entry: str, template: dict[str, torch.Tensor],
+                     sharding: StateDictSharding | None = None) -> dict[str, torch.Tensor] | None:  # fmt: skip
+    """``entry`` of the ``param_state`` saved in checkpoint ``path`` (:class:`TrainState`),
+    resharded to this run's layout: loaded into ``template`` (``{parameter name: tensor shaped
+    like what this rank holds of it}``, as it was saved; ``sharding`` as for
+    :meth:`CheckpointManager.save`), which is returned. ``None``, loading nothing, where the
+    checkpoint has no such entry (written before it existed, or without it). A collective
+    (every rank must call it, with the names of the parameters it holds).
+
+    Raises:
+        RuntimeError: (DCP) the entry lacks a name in ``template`` (another model).
+    """
+    prefix = f"{PARAM_STATE}.{entry}."
+    if not any(k.startswith(prefix) for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata):
+        return None
+    if sharding is not None:
+        sharding.wrap_state_dicts(template, {})
+    app = {PARAM_STATE: {entry: template}}
+    dcp.load(app, checkpoint_id=path)
+    if sharding is not None:
+        sharding.unwrap_state_dicts(app[PARAM_STATE][entry], {})
+    return app[PARAM_STATE][entry]
+
+
 def _check_same_keys(path: Path, wanted: set[str]) -> None:
     """DCP loads whatever subset of keys is asked for; a model of another shape would load
     silently half-filled, so the saved parameter names and ``wanted`` (those of the whole
     model, over all ranks) must match exactly."""
-    saved = {k.removeprefix("model.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
-    saved = {k for k in saved if not k.startswith(("optim.", "train"))}
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     missing, extra = sorted(wanted - saved), sorted(saved - wanted)
     if missing or extra:
         raise ValueError(

@@ -227,13 +227,16 @@ class Trainer:
     def _resume_outer(self, saved: dict | None, manifest: dict) -> None:
         """The outer loop's state: this rank's own; without it (another world size or layout, or
         another mode's checkpoint) the mode's ``resume_at_another_layout`` (async's or the
-        sync-family's), which keeps what the saved rank 0's state allows."""
-        if saved is None:
-            resume = async_dp if self.cfg.data_parallel.mode == "async" else local_sgd
-            resume.resume_at_another_layout(self.outer, self.resumed_from, manifest.get("layout", {}),
-                                            self.dims.layout())  # fmt: skip
+        sync-family's), which keeps what the saved rank 0's state (and, for DiLoCo, the
+        checkpoint's resharded outer momentum) allows."""
+        if saved is not None:
+            self.outer.load_state_dict(saved)
             return
-        self.outer.load_state_dict(saved)
+        path, saved_layout, layout = self.resumed_from, manifest.get("layout", {}), self.dims.layout()
+        if self.cfg.data_parallel.mode == "async":
+            async_dp.resume_at_another_layout(self.outer, path, saved_layout, layout)
+        else:
+            local_sgd.resume_at_another_layout(self.outer, path, saved_layout, layout, self.model, self.pm)
 
     def _build_metrics(self) -> None:
         cfg = self.cfg
@@ -349,7 +352,9 @@ class Trainer:
         if self.outer is not None:
             # Each replica's θ_local and inner optimizer state: DCP keeps one copy of plain tensors.
             sync["per_rank"]["outer_sync"] = self.outer.state_dict()
-        state = TrainState(self.step, self.loader.state_dict(), sync, balance)
+        # DiLoCo's outer momentum by parameter: DCP reshards it to another layout.
+        state = TrainState(self.step, self.loader.state_dict(), sync, balance,
+                           local_sgd.outer_param_state(self.outer, self.model))  # fmt: skip
         with self._global_weights():
             return self.ckpt.save(self.step, self.model, self.optimizer, state, self.pm)
 

@@ -1,7 +1,8 @@
 """DiLoCo through the whole training loop on 2 gloo processes: a resume inside an inner phase
 continues the run exactly, the run ends on one model, only outer steps send bytes; and on 4, with
 2 replicas of 2 ZeRO ranks each (DiLoCo, and streaming DiLoCo with bf16 outer gradients), the
-resume again.
+resume again; and resumes at another layout whose replicas split the model (tp, ZeRO) keep the
+outer momentum, resharded.
 
 8 steps with H = 3: outer steps after steps 3, 6 and (forced, the last) 8; the checkpoint of
 step 4 lies one step into the second inner phase.
@@ -14,10 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from loomtrain.config import load_config
+from loomtrain.data import load_tokenizer
 from loomtrain.distributed.spawn import spawn
 from loomtrain.distributed.traffic import all_reduce_bytes
+from loomtrain.models import Transformer
 from tests.integration.test_train import TINY, losses, run_train
 
 DILOCO = ["--training.steps=8", "--checkpoint.interval=4", "--checkpoint.keep_last=3",
@@ -87,6 +92,82 @@ def test_diloco_resumed_on_fewer_ranks_keeps_the_outer_momentum(whole, tmp_path)
     momentum = [s["outer_optimizer"]["state"][0]["momentum_buffer"] for s in (state, saved)]
     assert momentum[1].abs().sum() > 0 and torch.equal(*momentum)
     assert torch.equal(state["global"], saved["global"])
+
+
+STREAMING_FP32 = ["--data_parallel.mode=streaming_diloco", "--data_parallel.fragments=2",
+                  "--data_parallel.overlap_steps=1"]  # fmt: skip
+
+
+def replica_momentum(run: Path, step: int, ranks: list[int]) -> dict[str, torch.Tensor]:
+    """The outer momentum of each parameter, whole, put together from the flat buffers that
+    ``ranks`` (the ranks of one replica, in tp or ZeRO rank order) saved in their own files at
+    ``step``: the parameters come in the model's order, and rank ``i`` holds the ``i``-th of a
+    parameter's pieces where the DCP metadata of the model lists one per rank (tp shards, ZeRO
+    rows), the whole parameter where it lists one. Independent of how the momentum goes into DCP.
+    Streaming DiLoCo's outer SGD holds a buffer per fragment (sequential: in θ_global's order)."""
+    checkpoint = run / "checkpoints" / f"step_{step:08d}"
+    cfg = load_config(run / "config.toml")
+    cfg.model.vocab_size = cfg.model.vocab_size or load_tokenizer(run / "tokenizer").vocab_size
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Transformer(cfg.model).named_parameters()}
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    states = [outer_states(checkpoint)[r] for r in ranks]
+    optimizers = [s["outer_optimizer"]["state"] for s in states]
+    flats = [torch.cat([state[i]["momentum_buffer"] for i in sorted(state)]) for state in optimizers]
+    starts, out = [0] * len(ranks), {}
+    for name, shape in shapes.items():
+        pieces = sorted(metadata[f"model.{name}"].chunks, key=lambda c: tuple(c.offsets))
+        out[name] = torch.empty(shape)
+        for i, flat in enumerate(flats):
+            piece = pieces[i] if len(pieces) == len(ranks) else pieces[0]
+            where = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes, strict=True))
+            out[name][where] = flat[starts[i] : starts[i] + piece.sizes.numel()].view(piece.sizes)
+            starts[i] += piece.sizes.numel()
+    assert starts == [f.numel() for f in flats]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "resumed_ranks"),
+    [
+        pytest.param(
+            ["--parallel.tensor_parallel_degree=2"],
+            ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=1"],
+            [0],
+            id="tp2_to_whole_zero_replicas",
+        ),  # 2 replicas of tp 2 (world 4) → 2 replicas of one ZeRO-1 rank (world 2)
+        pytest.param(
+            ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=1"],
+            ["--parallel.tensor_parallel_degree=2"],
+            [0, 1],
+            id="zero_shard2_to_tp2",
+        ),  # 2 replicas of 2 ZeRO-1 ranks (world 4) → 1 replica of tp 2 (world 2)
+        pytest.param(
+            ["--parallel.tensor_parallel_degree=2", *STREAMING_FP32],
+            [*STREAMING_FP32],
+            [0],
+            id="streaming_tp2_to_whole",
+            marks=pytest.mark.slow,
+        ),  # fragment 1's sync of step 5 lands at step 6: the momentum is unchanged at step 5
+    ],
+)
+def test_diloco_resumed_at_another_split_keeps_the_outer_momentum(saved, resumed, resumed_ranks, tmp_path):
+    """An elastic restart of DiLoCo whose replicas split the model (tp, or ZeRO rows) on fewer
+    ranks split another way. Catches: the outer Nesterov momentum or the outer step count
+    dropped there (each rank's file holds only its part of the momentum, so only a resharded
+    copy can carry it over), or resharded wrongly (a parameter's momentum in another's place,
+    pieces misplaced): the momentum saved one inner step after the resume (no outer step in
+    between), put together whole, must equal the one saved before it bit for bit."""
+    run = train(tmp_path, "split", *saved, "--training.steps=4", world=4)
+    checkpoint = run / "checkpoints" / "step_00000004"
+    again = train(tmp_path, "resharded", *resumed, f"--checkpoint.resume={checkpoint}", "--training.steps=6",
+                  "--checkpoint.interval=1", world=2)  # fmt: skip
+    before, after = outer_states(checkpoint)[0], outer_states(again / "checkpoints" / "step_00000005")[0]
+    assert before["outer_steps"] == after["outer_steps"] > 0 and after["inner_done"] == 1
+    want, got = replica_momentum(run, 4, [0, 1]), replica_momentum(again, 5, resumed_ranks)
+    assert all(m.abs().sum() > 0 for m in want.values())
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_diloco_resumed_from_a_sync_checkpoint_starts_where_sync_stood(tmp_path):

@@ -22,8 +22,11 @@ The global model ``θ_global`` is what the run evaluates and writes into the DCP
 outer optimizer state and the inner step counter go into its per-rank checkpoint file
 (:meth:`OuterSync.state_dict`), so a resume inside an inner phase continues the same run. A
 resume at another world size (:func:`resume_at_another_layout`) starts a new inner phase from
-the checkpoint's θ_global; where replicas hold the whole model before and after, DiLoCo's outer
-momentum carries over from rank 0's file.
+the checkpoint's θ_global, keeping DiLoCo's outer momentum and step count: from rank 0's file
+where replicas hold the whole model before and after; otherwise (tp, pp or ZeRO inside a
+replica: each rank holds a part of the momentum, as of the parameters; and streaming DiLoCo)
+from the DCP checkpoint, which holds the momentum by parameter, sharded like the model
+(:func:`outer_param_state`), and reshards it to the new layout as it does AdamW's moments.
 The trainer forces an outer step after the last training step, so a run ends with one model.
 
 Streaming DiLoCo (:class:`StreamingOuterSync`): Douillard et al., "Streaming DiLoCo with
@@ -57,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loomtrain.checkpoint import read_rank_state
+from loomtrain.checkpoint import StateDictSharding, load_param_state, read_rank_state
 from loomtrain.compression.quantize import dequantize_int8, quantize_int8
 from loomtrain.config import DataParallelConfig
 from loomtrain.distributed.data_parallel import CommHook, GradBucket
@@ -70,6 +73,8 @@ log = logging.getLogger(__name__)
 
 # The modes whose replicas meet in an all-reduce (async has its own server: async_dp.py).
 OUTER_SYNC_MODES = ("local_sgd", "diloco", "streaming_diloco")
+# The checkpoint's param_state entry of (streaming) DiLoCo's outer momentum (outer_param_state).
+OUTER_MOMENTUM = "outer_momentum"
 
 
 class LocalOnlyHook(CommHook):
@@ -88,6 +93,29 @@ def held(p: nn.Parameter) -> torch.Tensor:
     """What this rank holds of ``p``: a ZeRO master's local rows (a DTensor's local tensor,
     storage shared), else ``p`` itself."""
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``model``'s trainable ``(name, parameter)`` pairs in ``model.parameters()`` order: the
+    outer loop's parameters (:func:`build_outer_sync`)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def by_param(flat: torch.Tensor, named: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """The 1-D ``flat`` (laid out as :func:`flatten` lays out what this rank holds of the
+    parameters of ``named``) as ``{name: view of flat}``, each view shaped like what this rank
+    holds of its parameter, and a DTensor placed like it where the parameter is one (a ZeRO
+    master): a state dict sharded like the model's (``checkpoint.TrainState.param_state``).
+
+    Raises:
+        ValueError: ``flat`` has another number of elements than this rank holds of ``named``.
+    """
+    numels = [held(p).numel() for _, p in named]
+    if flat.numel() != sum(numels):
+        raise ValueError(f"{flat.numel()} elements do not lay out parameters holding {sum(numels)}")
+    views = flat.split(numels)
+    return {name: placed_like(p, v.view_as(held(p))) if isinstance(p, DTensor) else v.view_as(p)
+            for (name, p), v in zip(named, views, strict=True)}  # fmt: skip
 
 
 def flatten(params: list[nn.Parameter]) -> torch.Tensor:
@@ -283,7 +311,8 @@ class OuterSync:
         """Restore :meth:`state_dict`'s output (a collective: checks that ``θ_global`` is the
         same on every replica). ``None`` (a checkpoint of another layout or mode) or a state of
         another mode: the parameters as loaded become ``θ_global`` and a new inner phase starts
-        (the outer momentum restarts at zero, with a warning).
+        (the outer momentum restarts at zero, with a warning; :func:`resume_at_another_layout` then
+        adopts what the checkpoint keeps).
 
         Raises:
             RuntimeError: ``θ_global`` differs across replicas.
@@ -305,26 +334,41 @@ class OuterSync:
             self._restore(state)
         check_identical(self.global_flat, self.group, "the global parameters θ_global")
 
-    def adopt_outer_state(self, state: dict[str, Any]) -> None:
+    def adopt_outer_state(self, state: dict[str, Any], momentum: torch.Tensor | None = None) -> None:
         """Resume at another world size with a saved replica's :meth:`state_dict` of this mode
-        (replicas of one rank holding the whole model there and here; :func:`resume_at_another_layout`
-        picks it): the outer optimizer state (DiLoCo's momentum) and the outer step count carry
-        over; θ_global stays the loaded model (the checkpoint's model is θ_global) and a new inner
-        phase starts from it. Nothing to adopt for local SGD (no outer state).
+        (rank 0's: :func:`resume_at_another_layout` picks it): the outer step count carries over,
+        and DiLoCo's outer momentum: ``momentum`` (1-D fp32 laid out like θ_global: the
+        checkpoint's, resharded to this rank) or, without it (replicas of one rank holding the
+        whole model there and here), ``state``'s own outer optimizer state. θ_global stays the
+        loaded model (the checkpoint's model is θ_global) and a new inner phase starts from it.
+        Nothing but the step count for local SGD (no outer state).
 
         Raises:
             ValueError: ``state`` was saved with another ``inner_steps`` (its momentum is another
-                run's), or its θ_global is of another size or not the loaded model.
+                run's); without ``momentum``, its θ_global is of another size or not the loaded model.
         """
         if state["inner_steps"] != self.inner_steps:
             raise ValueError(f"the checkpoint's outer state was saved with data_parallel.inner_steps="
                              f"{state['inner_steps']}, this run has {self.inner_steps}: resume with "
                              f"data_parallel.inner_steps={state['inner_steps']}")  # fmt: skip
-        if state["global"].shape != self.global_flat.shape or not torch.equal(state["global"], self.global_flat):
-            raise ValueError("the checkpoint's θ_global is not its model: resume from a checkpoint written whole")
-        if self.outer_optimizer is not None:
-            _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
+        if momentum is not None:
+            self._set_momentum(momentum)
+        else:
+            if state["global"].shape != self.global_flat.shape or not torch.equal(state["global"], self.global_flat):
+                raise ValueError("the checkpoint's θ_global is not its model: resume from a checkpoint written whole")
+            if self.outer_optimizer is not None:
+                _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
         self.inner_done, self.outer_steps = 0, state["outer_steps"]
+
+    def momentum(self) -> torch.Tensor | None:
+        """DiLoCo's outer momentum buffer (the live 1-D fp32 tensor, laid out like θ_global), or
+        ``None`` (local SGD, ``outer_momentum=0``, or before the first outer step)."""
+        if self.outer_optimizer is None:
+            return None
+        return self.outer_optimizer.state.get(self.global_flat, {}).get("momentum_buffer")
+
+    def _set_momentum(self, momentum: torch.Tensor) -> None:
+        _load_optimizer_state(self.outer_optimizer, {"state": {0: {"momentum_buffer": momentum}}})
 
     def _restore(self, state: dict[str, Any]) -> None:
         if state["global"].numel() != self.global_flat.numel():
@@ -348,27 +392,58 @@ def whole_model_replicas(layout: dict[str, int]) -> bool:
     return layout.get("pp", 1) == layout.get("tp", 1) == layout.get("sp", 1) == 1 and replicate in (1, dp)
 
 
+def outer_param_state(outer: Any, model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """What the trainer's outer loop ``outer`` (of any mode, or ``None``) adds to a checkpoint's
+    DCP state (``checkpoint.TrainState.param_state``): (streaming) DiLoCo's outer momentum by
+    parameter of ``model`` (:data:`OUTER_MOMENTUM`, :meth:`OuterSync.momentum` as
+    :func:`by_param` splits it), which a resume at another layout reshards
+    (:func:`resume_at_another_layout`); nothing for the other modes (local SGD and async keep
+    none there) or before the first outer step."""
+    momentum = outer.momentum() if isinstance(outer, OuterSync) else None
+    return {} if momentum is None else {OUTER_MOMENTUM: by_param(momentum, trainable(model))}
+
+
 def resume_at_another_layout(outer: OuterSync, checkpoint: Path, saved_layout: dict[str, int],
-                             layout: dict[str, int]) -> None:  # fmt: skip
+                             layout: dict[str, int], model: nn.Module,
+                             sharding: StateDictSharding | None = None) -> None:  # fmt: skip
     """A sync-family resume without this rank's own state (``checkpoint`` written with
-    ``saved_layout``, this run's ``layout`` another): a new inner phase from the loaded θ_global,
-    and where replicas of one rank hold the whole model before and after and rank 0 saved this
-    mode's state (a sync checkpoint has none), its outer momentum and step count
-    (:meth:`OuterSync.adopt_outer_state`); otherwise the momentum restarts at zero
-    (:meth:`OuterSync.load_state_dict` of ``None``). Streaming DiLoCo's fragments always restart
-    (their in-flight sums are per layout).
+    ``saved_layout``, this run's ``layout`` another; ``outer`` built on ``model``, whose
+    ``sharding`` is the checkpoint's): a new inner phase from the loaded θ_global and, where rank
+    0 saved this mode's state (a sync checkpoint has none; nor one of DiLoCo's other
+    ``outer_grad_dtype``), its outer step count and (streaming) DiLoCo's outer momentum
+    (:meth:`OuterSync.adopt_outer_state`): from rank 0's file where replicas of one rank hold the
+    whole model before and after (DiLoCo in fp32), else (tp, pp or ZeRO inside the replicas,
+    before or after, or streaming) resharded from the checkpoint's DCP entry
+    :data:`OUTER_MOMENTUM` (:func:`~loomtrain.checkpoint.load_param_state`; a collective). A
+    checkpoint written before that entry existed restarts the momentum at zero, with a warning.
+    Local SGD (no outer state) keeps its step count from whole-model replicas only; streaming
+    DiLoCo's schedule and its in-flight fragment sums (per layout) restart.
 
     Raises:
         ValueError: as :meth:`OuterSync.adopt_outer_state`.
     """
     saved = read_rank_state(checkpoint, 0).get("outer_sync") or {}
     outer.load_state_dict(None)
-    whole = whole_model_replicas(saved_layout) and whole_model_replicas(layout)
-    streaming = isinstance(outer, StreamingOuterSync) or "fragments" in saved
-    if saved.get("mode") != outer.mode or streaming or not whole:
+    streaming = isinstance(outer, StreamingOuterSync)
+    if saved.get("mode") != outer.mode or ("fragments" in saved) != streaming:
         return
-    outer.adopt_outer_state(saved)
-    log.info("%s at another world size: rank 0's outer momentum (outer step %d) kept", outer.mode,
+    # Streaming's per-fragment state in rank 0's file is per fragment layout: DCP's is not.
+    if not streaming and whole_model_replicas(saved_layout) and whole_model_replicas(layout):
+        outer.adopt_outer_state(saved)
+        log.info("%s at another world size: rank 0's outer momentum (outer step %d) kept", outer.mode,
+                 saved["outer_steps"])  # fmt: skip
+        return
+    if outer.outer_optimizer is None:  # local SGD: no outer state to reshard
+        return
+    template = by_param(torch.zeros_like(outer.global_flat), trainable(model))
+    momentum = load_param_state(checkpoint, OUTER_MOMENTUM, template, sharding)
+    if momentum is None:
+        if saved["outer_optimizer"]["state"]:
+            log.warning("checkpoint %s holds no %s entry (written before it existed): %s's outer momentum "
+                        "restarts at zero", checkpoint, OUTER_MOMENTUM, outer.mode)  # fmt: skip
+        return
+    outer.adopt_outer_state(saved, flatten(list(momentum.values())))
+    log.info("%s at another layout: the outer momentum (outer step %d) kept, resharded", outer.mode,
              saved["outer_steps"])  # fmt: skip
 
 
@@ -680,6 +755,32 @@ class StreamingOuterSync(OuterSync):
         self.written()
         self.outer_steps += 1
 
+    def _view_elements(self) -> Iterator[tuple[torch.Tensor, slice]]:
+        """Each of the outer SGD's parameters (a fragment's run's view of θ_global) and its slice
+        of θ_global."""
+        for runs, views in zip(self.runs, self.views, strict=True):
+            for (_, elements), view in zip(runs, views, strict=True):
+                yield view, elements
+
+    def momentum(self) -> torch.Tensor | None:
+        """The fragments' outer momentum buffers laid out like θ_global (a new 1-D fp32 tensor;
+        zeros for a fragment not stepped yet, whose first step then adds its outer gradient to
+        zero, as SGD's first step copies it), or ``None`` before any fragment's first outer step
+        (or with ``outer_momentum=0``)."""
+        state = self.outer_optimizer.state
+        pieces = [(elements, state[view]["momentum_buffer"]) for view, elements in self._view_elements()
+                  if "momentum_buffer" in state.get(view, {})]  # fmt: skip
+        if not pieces:
+            return None
+        flat = torch.zeros_like(self.global_flat)
+        for elements, buffer in pieces:
+            flat[elements] = buffer
+        return flat
+
+    def _set_momentum(self, momentum: torch.Tensor) -> None:
+        for view, elements in self._view_elements():
+            self.outer_optimizer.state[view]["momentum_buffer"] = momentum[elements].clone()
+
     def state_dict(self) -> dict[str, Any]:
         """:meth:`OuterSync.state_dict` plus ``fragments`` (F), ``fragment_pattern`` and
         ``pending``: each in-flight all-reduce is completed first (a collective wait, so every
@@ -732,9 +833,8 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
         # DiLoCo paper's own are fp32).
         cfg = cfg.model_copy(update={"fragments": 1, "overlap_steps": 0})
     if cfg.mode == "streaming_diloco" or cfg.outer_grad_dtype != "fp32":
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        return StreamingOuterSync(named, inner_optimizer, group, cfg, hook, written, n_blocks)
-    params = [p for p in model.parameters() if p.requires_grad]
+        return StreamingOuterSync(trainable(model), inner_optimizer, group, cfg, hook, written, n_blocks)
+    params = [p for _, p in trainable(model)]
     return OuterSync(params, inner_optimizer, group, cfg.mode, cfg.resolved_inner_steps, cfg.outer_lr,
                      cfg.outer_momentum, cfg.outer_nesterov, hook, written, shard_group)  # fmt: skip
 
