@@ -227,14 +227,15 @@ class Trainer:
     def _resume_outer(self, saved: dict | None, manifest: dict) -> None:
         """The outer loop's state: this rank's own; without it (another world size or layout, or
         another mode's checkpoint) the mode's ``resume_at_another_layout`` (async's or the
-        sync-family's), which keeps what the saved rank 0's state (and, for DiLoCo, the
-        checkpoint's resharded outer momentum) allows."""
+        sync-family's), which keeps what the saved rank 0's state (and, for DiLoCo and the async
+        server, the checkpoint's resharded outer momentum) allows."""
         if saved is not None:
             self.outer.load_state_dict(saved)
             return
         path, saved_layout, layout = self.resumed_from, manifest.get("layout", {}), self.dims.layout()
         if self.cfg.data_parallel.mode == "async":
-            async_dp.resume_at_another_layout(self.outer, path, saved_layout, layout)
+            async_dp.resume_at_another_layout(self.outer, path, saved_layout, layout, self.model, self.pm,
+                                              async_dp.serves(self.dims, self.cfg.data_parallel))  # fmt: skip
         else:
             local_sgd.resume_at_another_layout(self.outer, path, saved_layout, layout, self.model, self.pm)
 
@@ -352,11 +353,17 @@ class Trainer:
         if self.outer is not None:
             # Each replica's θ_local and inner optimizer state: DCP keeps one copy of plain tensors.
             sync["per_rank"]["outer_sync"] = self.outer.state_dict()
-        # DiLoCo's outer momentum by parameter: DCP reshards it to another layout.
-        state = TrainState(self.step, self.loader.state_dict(), sync, balance,
-                           local_sgd.outer_param_state(self.outer, self.model))  # fmt: skip
+        state = TrainState(self.step, self.loader.state_dict(), sync, balance, self._param_state())
         with self._global_weights():
             return self.ckpt.save(self.step, self.model, self.optimizer, state, self.pm)
+
+    def _param_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The outer optimizer's state by parameter (DiLoCo's momentum, or the async server's
+        momentum and Delayed Nesterov's delta sum), which DCP reshards to another layout."""
+        dp_cfg = self.cfg.data_parallel
+        if dp_cfg.mode == "async":
+            return async_dp.server_param_state(self.outer, self.model, async_dp.serves(self.dims, dp_cfg))
+        return local_sgd.outer_param_state(self.outer, self.model)
 
     def _stop_for_preemption(self) -> dict:
         """All ranks agreed a SIGTERM arrived: checkpoint this step (unless just done), stop."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -38,13 +39,16 @@ from loomtrain.distributed.async_dp import (
     local_steps,
     pause_steps,
     plan_rounds,
+    saved_async_state,
     server_delta_weight,
 )
 from loomtrain.distributed.local_sgd import flatten, write_flat
+from loomtrain.distributed.spawn import spawn
 from loomtrain.models import Transformer
 from loomtrain.preflight import check_world
 from tests.distributed.checks import check_result, run_checks, spawn_once
-from tests.integration.test_train import TINY
+from tests.integration.test_local_sgd_train import replica_momentum
+from tests.integration.test_train import TINY, run_train
 
 CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
 RTOL = 1e-6
@@ -795,16 +799,22 @@ def with_inner_state(outer: AsyncOuter) -> AsyncOuter:
     return outer
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the in-process dcp.save
 def test_another_world_size_keeps_the_saved_servers_outer_momentum(tmp_path):
     """Catches: an async resume at another world size (a worker lost, an elastic restart) that
     drops the server's outer momentum or version (the next deltas would take a first Nesterov
     step again), that carries over the old workers' round plan (its lanes are of another W), or
-    that takes a split server's shard for the whole model; and one that keeps an async
-    checkpoint's DCP copy of the inner optimizer state (the server ranks' zero first moments
-    beside a worker's second moments: steps of 1e6 times the learning rate, seen) or drops a
-    sync checkpoint's (the same on every rank, worth keeping). In-process: a server state after
-    5 Delayed Nesterov deltas, adopted by a fresh one, continues the same trajectory bit for bit."""
-    from loomtrain.distributed.async_dp import resume_at_another_layout, saved_async_state
+    that takes a split server's shard for the whole model (a checkpoint without the server's
+    resharded state, written before it existed, must restart it: version 0); and one that keeps
+    an async checkpoint's DCP copy of the inner optimizer state (the server ranks' zero first
+    moments beside a worker's second moments: steps of 1e6 times the learning rate, seen) or
+    drops a sync checkpoint's (the same on every rank, worth keeping). In-process: a server
+    state after 5 Delayed Nesterov deltas, adopted by a fresh one, continues the same trajectory
+    bit for bit."""
+    from loomtrain.distributed.async_dp import resume_at_another_layout
+
+    def resume(outer: AsyncOuter, checkpoint: Path, saved: dict, now: dict) -> None:
+        resume_at_another_layout(outer, checkpoint, saved, now, torch.nn.ParameterList(outer.params), None, True)
 
     whole = dn_outer(3)
     want = dn_trajectory(whole, dn_deltas(), DN_WEIGHTS)
@@ -814,20 +824,21 @@ def test_another_world_size_keeps_the_saved_servers_outer_momentum(tmp_path):
     torch.save({"rank_state": {"outer_sync": first.state_dict()}}, tmp_path / "rank_00000.pt")
     one_rank = {"pp": 1, "dp": 3, "dp_replicate": 1, "sp": 1, "tp": 1}
     resumed = with_inner_state(dn_outer(3))
-    resume_at_another_layout(resumed, tmp_path, one_rank, {**one_rank, "dp": 2})
+    resume(resumed, tmp_path, one_rank, {**one_rank, "dp": 2})
     assert (resumed.version, resumed.lanes, resumed.next_round) == (5, [], 0)
     assert not resumed.inner_optimizer.state
     got = dn_trajectory(resumed, dn_deltas()[5:], DN_WEIGHTS[5:])
     assert all(torch.equal(a, b) for a, b in zip(got, want[5:], strict=True))
+    dcp.save({"model": {"0": first.params[0].detach()}}, checkpoint_id=tmp_path)  # no param_state
     for saved, now in (({**one_rank, "tp": 2}, one_rank), (one_rank, {**one_rank, "pp": 2})):  # a split server
         split = with_inner_state(dn_outer(3))
-        resume_at_another_layout(split, tmp_path, saved, now)
-        assert split.version == 0 and not split.inner_optimizer.state
+        resume(split, tmp_path, saved, now)
+        assert split.version == 0 and not split.outer_optimizer.state and not split.inner_optimizer.state
     sync = tmp_path / "sync"
     sync.mkdir()
     torch.save({"rank_state": {}}, sync / "rank_00000.pt")
     kept = with_inner_state(dn_outer(3))
-    resume_at_another_layout(kept, sync, one_rank, {**one_rank, "dp": 2})
+    resume(kept, sync, one_rank, {**one_rank, "dp": 2})
     assert kept.version == 0 and kept.inner_optimizer.state
     assert saved_async_state(tmp_path / "missing") is None
 
@@ -860,3 +871,55 @@ def test_resume_with_a_worker_fewer_continues_the_outer_versions(tmp_path):
     applied = sum(r["applied"] for r in saved)
     assert [r["outer_version"] for r in resumed] == list(range(applied + 1, applied + 1 + len(resumed)))
     assert sum(r["local_steps"] for r in resumed) == 8 - 4 and {r["worker"] for r in resumed} == {1}
+
+
+def train_async(out: Path, name: str, world: int, *extra: str) -> Path:
+    """An async run of :data:`ASYNC` on ``world`` processes (a fresh spawn), in ``out/name``."""
+    spawn(run_train, world, [*TINY, *ASYNC, f"--run.out_dir={out}", f"--run.name={name}", *extra], timeout_s=240)
+    return out / name
+
+
+DN2 = ["--data_parallel.outer_momentum_delay=2"]  # 3 deltas in 6 steps: a momentum and a delta sum of one
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        pytest.param((4, LAYOUTS["tp2"], [0, 1]), (2, [], [0]), id="tp2_server_to_one_rank"),
+        pytest.param(
+            (2, DN2, [0]),
+            (4, [*DN2, *LAYOUTS["r2_zero3"]], [0, 1]),
+            id="dn_one_rank_to_zero3_server",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_resume_at_another_layout_keeps_a_split_servers_outer_state(saved, resumed, tmp_path):
+    """An elastic restart of async whose server is split (tp 2 before, or 2 ZeRO-3 ranks after) at
+    another layout. Catches: the server's outer momentum (Delayed Nesterov's delta sum and delta
+    count too), version or staleness counts restarted there (each server rank's file holds only
+    its part of the momentum, so only a copy resharded from DCP carries it over: with the
+    adoption removed the version is 0), or resharded wrongly (a parameter's momentum in
+    another's place, pieces misplaced): the resumed run ends at once (its steps are the
+    checkpoint's) and saves the adopted state, which, put together whole from the server ranks'
+    files (:func:`replica_momentum`, independent of the DCP entries), must equal the saved
+    server's bit for bit."""
+    (world, extra, ranks), (world_after, extra_after, ranks_after) = saved, resumed
+    run = train_async(tmp_path, "saved", world, *extra, "--training.steps=6")
+    checkpoint = run / "checkpoints" / "step_00000006"
+    again = train_async(tmp_path, "resumed", world_after, *extra_after, f"--checkpoint.resume={checkpoint}",
+                        "--training.steps=6")  # fmt: skip
+    before, after = saved_async_state(checkpoint), saved_async_state(again / "checkpoints" / "step_00000006")
+    assert before["version"] == after["version"] == 3
+    assert (after["applied"], after["rejected"], after["local_steps"]) == (
+        before["applied"], before["rejected"], before["local_steps"])  # fmt: skip
+    keys = sorted(before["outer_optimizer"]["state"][0])
+    assert sorted(after["outer_optimizer"]["state"][0]) == keys
+    for key in keys:
+        if key == "received":  # Delayed Nesterov's delta count
+            assert after["outer_optimizer"]["state"][0][key] == before["outer_optimizer"]["state"][0][key] == 3
+            continue
+        want, got = replica_momentum(run, 6, ranks, key), replica_momentum(again, 6, ranks_after, key)
+        assert all(m.abs().sum() > 0 for m in want.values()), key
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{key}: {name}"

@@ -98,8 +98,9 @@ STREAMING_FP32 = ["--data_parallel.mode=streaming_diloco", "--data_parallel.frag
                   "--data_parallel.overlap_steps=1"]  # fmt: skip
 
 
-def replica_momentum(run: Path, step: int, ranks: list[int]) -> dict[str, torch.Tensor]:
-    """The outer momentum of each parameter, whole, put together from the flat buffers that
+def replica_momentum(run: Path, step: int, ranks: list[int], key: str = "momentum_buffer") -> dict[str, torch.Tensor]:
+    """The outer momentum of each parameter (or another flat outer optimizer state ``key``:
+    Delayed Nesterov's ``delta_sum``), whole, put together from the flat buffers that
     ``ranks`` (the ranks of one replica, in tp or ZeRO rank order) saved in their own files at
     ``step``: the parameters come in the model's order, and rank ``i`` holds the ``i``-th of a
     parameter's pieces where the DCP metadata of the model lists one per rank (tp shards, ZeRO
@@ -113,7 +114,7 @@ def replica_momentum(run: Path, step: int, ranks: list[int]) -> dict[str, torch.
     metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     states = [outer_states(checkpoint)[r] for r in ranks]
     optimizers = [s["outer_optimizer"]["state"] for s in states]
-    flats = [torch.cat([state[i]["momentum_buffer"] for i in sorted(state)]) for state in optimizers]
+    flats = [torch.cat([state[i][key] for i in sorted(state)]) for state in optimizers]
     starts, out = [0] * len(ranks), {}
     for name, shape in shapes.items():
         pieces = sorted(metadata[f"model.{name}"].chunks, key=lambda c: tuple(c.offsets))

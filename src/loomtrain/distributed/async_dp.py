@@ -69,18 +69,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loomtrain.checkpoint import read_rank_state
+from loomtrain.checkpoint import StateDictSharding, load_param_state, read_rank_state
 from loomtrain.config import DataParallelConfig
 from loomtrain.data import DistributedBatchLoader, eval_batches
 from loomtrain.distributed.data_parallel import CommHook
 from loomtrain.distributed.local_sgd import (
+    OUTER_MOMENTUM,
     LocalOnlyHook,
     _load_optimizer_state,
+    by_param,
     check_identical,
     flatten,
     holding,
     portable_state,
     replicas_sync_inside,
+    trainable,
     whole_model_replicas,
     write_flat,
 )
@@ -98,6 +101,9 @@ ENDS = {PAUSE: "pause", STOP: "done", PREEMPT: "preempt"}
 # version, command, round index, first_step, steps, offset; worker → server: base version, round
 # index, mean loss, SIGTERM seen, seconds of the round's inner steps, 0.
 HEADER = 6
+# The server's outer optimizer tensors (each laid out like θ_global) → their checkpoint
+# param_state entries: DCP holds them by parameter, so a resume at another layout reshards them.
+SERVER_ENTRIES = {"momentum_buffer": OUTER_MOMENTUM, "delta_sum": "outer_delta_sum"}
 
 
 class AsyncTimeoutError(TimeoutError):
@@ -371,19 +377,32 @@ class AsyncOuter:
         self.lanes, self.speeds = list(state.get("lanes", [])), dict(state.get("speeds", {}))
         self.take_global()
 
-    def adopt_server_state(self, state: dict[str, Any]) -> None:
-        """Resume from another world size's checkpoint with the saved server's ``state`` (its
-        :meth:`state_dict`; replicas of one rank there and here, so its ``θ_global`` is the whole
-        model): ``θ_global``, the outer optimizer state (momentum, Delayed Nesterov's window),
-        the version and the staleness counts carry over; the round plan, the workers' speeds and
-        the inner optimizer states start afresh (the workers are others;
-        :meth:`forget_inner_state`), the plan from the checkpoint's step.
+    def adopt_server_state(self, state: dict[str, Any], resharded: dict[str, torch.Tensor] | None = None) -> None:
+        """Resume at another layout with the saved server leader's ``state`` (its
+        :meth:`state_dict`, rank 0's file): the version and the staleness counts carry over, and
+        the outer optimizer state (momentum, Delayed Nesterov's window). ``resharded`` ``None``
+        (one-rank servers holding the whole model there and here): ``state``'s own optimizer
+        state and ``θ_global``. Otherwise ``state``'s scalars (Delayed Nesterov's delta count)
+        with ``resharded``'s tensors (by optimizer state key, each 1-D fp32 laid out like
+        ``θ_global``: the checkpoint's, resharded to this rank, :func:`load_server_tensors`), and
+        ``θ_global`` stays the loaded model; empty on a worker, whose outer optimizer then keeps
+        no state (it never steps). The round plan, the workers' speeds and the inner optimizer
+        states start afresh (the workers are others; :meth:`forget_inner_state`), the plan from
+        the checkpoint's step.
 
         Raises:
             ValueError: as :meth:`load_state_dict` for another model, ``inner_steps`` or
                 ``outer_momentum_delay``.
         """
-        self._restore_server(state)
+        if resharded is None:
+            self._restore_server(state)
+        else:
+            self._check_saved_settings(state)
+            self.global_flat.copy_(flatten(self.params))
+            if resharded:
+                saved = state["outer_optimizer"]["state"][0]
+                _load_optimizer_state(self.outer_optimizer, {"state": {0: {**saved, **resharded}}})
+            self._restore_counts(state)
         self.forget_inner_state()
         self.take_global()
 
@@ -398,9 +417,29 @@ class AsyncOuter:
             )
         self.global_flat.copy_(state["global"])
         _load_optimizer_state(self.outer_optimizer, state["outer_optimizer"])
+        self._restore_counts(state)
+
+    def _restore_counts(self, state: dict[str, Any]) -> None:
+        """The version and the applied/rejected/local-step counts of ``state`` (the same for any
+        split of the server)."""
         self.version = state["version"]
         self.applied, self.rejected = Counter(state["applied"]), Counter(state["rejected"])
         self.local_steps = Counter(state.get("local_steps", {}))
+
+    def param_state(self, named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
+        """The outer optimizer's tensors (SGD's momentum; Delayed Nesterov's also its delta sum)
+        by parameter of ``named`` (this rank's ``(name, parameter)`` pairs, :attr:`params`
+        order), under their :data:`SERVER_ENTRIES` names: what the server adds to a checkpoint's
+        DCP state (``checkpoint.TrainState.param_state``; views, shaped as
+        :func:`~loomtrain.distributed.local_sgd.by_param` shapes them). Empty before the first
+        applied delta and with ``outer_momentum=0`` (:func:`server_param_state` asks the server
+        alone).
+
+        Raises:
+            ValueError: ``named`` does not lay out ``θ_global`` (another list of parameters).
+        """
+        state = self.outer_optimizer.state.get(self.global_flat, {})
+        return {SERVER_ENTRIES[key]: by_param(value, named) for key, value in state.items() if key in SERVER_ENTRIES}
 
     def forget_inner_state(self) -> None:
         """Drop the inner optimizer's state (its moments start at zero, as on a fresh worker). At
@@ -815,29 +854,94 @@ def saved_async_state(checkpoint: Path) -> dict | None:
     return state if state and state.get("mode") == "async" else None
 
 
+def serves(dims: ParallelDims, cfg: DataParallelConfig) -> bool:
+    """Whether this rank is one of the server replica's (replica 0 of :class:`AsyncLayout`;
+    no process group needed)."""
+    return AsyncLayout.from_dims(dims, replicas_sync_inside(cfg, dims)).replica == 0
+
+
+def server_param_state(outer: AsyncOuter, model: nn.Module, serving: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """What async adds to a checkpoint's DCP state (``checkpoint.TrainState.param_state``): on
+    the server's ranks (``serving``) the outer optimizer's tensors by parameter of ``model``
+    (:meth:`AsyncOuter.param_state`), which DCP writes sharded like the model (so the server's
+    ranks together write each whole); nothing on a worker's: its outer optimizer never steps,
+    and a state it adopted at a resume is stale, yet DCP would keep either rank's copy of a
+    tensor it takes as replicated."""
+    return outer.param_state(trainable(model)) if serving else {}
+
+
+def load_server_tensors(
+    outer: AsyncOuter,
+    checkpoint: Path,
+    server: dict[str, Any],
+    model: nn.Module,
+    sharding: StateDictSharding | None,
+    serving: bool,
+) -> dict[str, torch.Tensor] | None:
+    """The saved server's outer optimizer tensors (those in ``server``, its leader's
+    :meth:`AsyncOuter.state_dict`), resharded from ``checkpoint``'s DCP entries
+    (:data:`SERVER_ENTRIES`, :func:`~loomtrain.checkpoint.load_param_state`) to what this rank
+    holds of ``model`` (``outer`` built on it; ``sharding`` as the checkpoint's): ``{state key:
+    1-D fp32 tensor laid out like θ_global}`` on the server's ranks (``serving``), ``{}`` on a
+    worker's (they load nothing but join DCP's collective load), ``None`` where the checkpoint
+    holds no such entry (written before they existed). A collective: every rank must call it.
+
+    Raises:
+        RuntimeError: (DCP) an entry lacks a parameter of ``model`` (another model).
+    """
+    optimizer = server["outer_optimizer"]["state"].get(0, {})
+    named = trainable(model)
+    tensors = {}
+    for key in (k for k, v in optimizer.items() if isinstance(v, torch.Tensor)):
+        template = by_param(torch.zeros_like(outer.global_flat), named) if serving else {}
+        loaded = load_param_state(checkpoint, SERVER_ENTRIES[key], template, sharding)
+        if loaded is None:  # the same on every rank: all read the one metadata file
+            return None
+        if serving:
+            tensors[key] = flatten(list(loaded.values()))
+    return tensors
+
+
 def resume_at_another_layout(outer: AsyncOuter, checkpoint: Path, saved_layout: dict[str, int],
-                             layout: dict[str, int]) -> None:  # fmt: skip
+                             layout: dict[str, int], model: nn.Module, sharding: StateDictSharding | None,
+                             serving: bool) -> None:  # fmt: skip
     """An async resume without this rank's own state (``checkpoint`` written with
-    ``saved_layout``, this run's ``layout`` another): where both servers are one rank holding the
-    whole model, the saved server's state is adopted (:meth:`AsyncOuter.adopt_server_state`: its
-    momentum kept); otherwise the DCP model becomes ``θ_global`` with the outer momentum at zero
-    (:meth:`AsyncOuter.load_state_dict` of ``None``), and if the checkpoint is an async one its
-    DCP inner optimizer state is dropped too (:meth:`AsyncOuter.forget_inner_state`); another
-    mode's (a sync run's moments, the same on every rank) is kept.
+    ``saved_layout``, this run's ``layout`` another; ``outer`` built on ``model``, whose
+    ``sharding`` is the checkpoint's; ``serving``: this rank is on the new server). From an
+    async checkpoint the saved server's version, staleness counts and outer optimizer state
+    (momentum, Delayed Nesterov's window) carry over (:meth:`AsyncOuter.adopt_server_state`):
+    from rank 0's file where both servers are one rank holding the whole model; otherwise (a
+    server split by tp, pp or ZeRO before or after) with the tensors resharded from the
+    checkpoint's DCP entries (:func:`load_server_tensors`; a collective), θ_global the DCP
+    model. Either way the inner optimizer states and the round plan start afresh. A split
+    checkpoint written before those entries existed restarts the outer momentum and version at
+    zero, with a warning. From another mode's checkpoint the DCP model becomes ``θ_global``
+    with the outer state at zero (:meth:`AsyncOuter.load_state_dict` of ``None``) and its DCP
+    inner optimizer state (a sync run's moments, the same on every rank) is kept.
 
     Raises:
         ValueError: the saved server's state is of another model, ``inner_steps`` or
             ``outer_momentum_delay`` (:meth:`AsyncOuter.adopt_server_state`).
     """
     server = saved_async_state(checkpoint)
-    if server is not None and whole_model_replicas(saved_layout) and whole_model_replicas(layout):
+    if server is None:
+        outer.load_state_dict(None)
+        return
+    if whole_model_replicas(saved_layout) and whole_model_replicas(layout):
         outer.adopt_server_state(server)
         log.info("async at another world size: the saved server's θ_global and outer momentum (version %d) kept; "
                  "inner optimizer states and the round plan start afresh", server["version"])  # fmt: skip
         return
-    outer.load_state_dict(None)
-    if server is not None:
+    resharded = load_server_tensors(outer, checkpoint, server, model, sharding, serving)
+    if resharded is None:
+        log.warning("checkpoint %s holds no resharded outer optimizer state (written before it existed): the async "
+                    "server's outer momentum and version restart at zero", checkpoint)  # fmt: skip
+        outer.load_state_dict(None)
         outer.forget_inner_state()
+        return
+    outer.adopt_server_state(server, resharded)
+    log.info("async at another layout: the saved server's outer momentum (version %d) kept, resharded; inner "
+             "optimizer states and the round plan start afresh", server["version"])  # fmt: skip
 
 
 def _period_start(step: int, inner_steps: int) -> int:

@@ -397,8 +397,8 @@ def outer_param_state(outer: Any, model: nn.Module) -> dict[str, dict[str, torch
     DCP state (``checkpoint.TrainState.param_state``): (streaming) DiLoCo's outer momentum by
     parameter of ``model`` (:data:`OUTER_MOMENTUM`, :meth:`OuterSync.momentum` as
     :func:`by_param` splits it), which a resume at another layout reshards
-    (:func:`resume_at_another_layout`); nothing for the other modes (local SGD and async keep
-    none there) or before the first outer step."""
+    (:func:`resume_at_another_layout`); nothing for local SGD (no outer state), async (its
+    server's state: ``async_dp.server_param_state``) or before the first outer step."""
     momentum = outer.momentum() if isinstance(outer, OuterSync) else None
     return {} if momentum is None else {OUTER_MOMENTUM: by_param(momentum, trainable(model))}
 
