@@ -16,8 +16,10 @@ fp32 outer gradients), ``diloco_int8`` (H = 50, int8 outer gradients), ``streami
 it may train past it); ``diloco_warm`` and ``diloco_warm_hosts`` (DiLoCo H = 100 from sync DP's
 checkpoint at a quarter of the steps, as Douillard et al. 2023 §3 start DiLoCo and its baseline
 from one synchronously pretrained model: 4 replicas of one rank, and 2 replicas of 2 ranks, one
-per host, whose inner all-reduces stay inside the host); ``async`` (the server and one worker
-on host 0, two workers on host 1, H = 50). Plus the bytes that crossed the host links (tc counters).
+per host, whose inner all-reduces stay inside the host); ``diloco_warm_hier`` (4 replicas of one
+rank, the outer all-reduce hierarchical over the hosts: ``data_parallel.comm_hook``); ``async``
+(the server and one worker on host 0, two workers on host 1, H = 50). Plus the bytes that crossed
+the host links (tc counters).
 
 Part ``throttled``: three training ranks, each limited by the kernel's CFS bandwidth control to
 a fraction of one core and pinned (``simulate.rank_speed``), two at ``FAST`` and one at a
@@ -34,8 +36,9 @@ last evaluation's) and, for async, staleness counts. Ratios are against ``sync``
 part and invocation (a shared machine: only ratios from one invocation are comparable). The
 JSON's headline figures: ``diloco_val_loss_ratio`` (DiLoCo H = 100's final validation loss over
 sync DP's, equal steps) and ``diloco_bytes_ratio`` (sync DP's bytes per step over its); the
-same for ``diloco_int8`` and ``diloco_warm``, and ``diloco_warm_hosts_link_bytes_ratio`` (sync
-DP's bytes per step over the host links over its, tc counters); ``sync_loss_time_ratio`` of
+same for ``diloco_int8``, ``diloco_warm``, ``diloco_warm_hosts`` and ``diloco_warm_hier``, and
+for the three warm runs ``*_link_bytes_ratio`` (sync DP's bytes per step over the host links
+over the run's, tc counters); ``sync_loss_time_ratio`` of
 the fastest sync-family run to reach sync DP's final loss (link) and of async (throttled), over
 sync DP's time. The plot (validation loss against wall time and against bytes) goes to
 ``docs/img/async_dp.png``.
@@ -127,6 +130,7 @@ def link_runs(plan: dict) -> dict[str, dict]:
         "diloco_long": run_spec(4, diloco, scale=LONG["diloco_long"]),
         "diloco_warm": run_spec(4, diloco, resume="link_sync"),
         "diloco_warm_hosts": run_spec(4, [*diloco, "--parallel.data_parallel_replicate_degree=2"], resume="link_sync"),
+        "diloco_warm_hier": run_spec(4, [*diloco, "--data_parallel.comm_hook=hierarchical"], resume="link_sync"),
         "async": run_spec(4, [workers, *mode(plan, "async")]),
     }
 
@@ -289,10 +293,11 @@ def headline(result: dict) -> dict:
     out = {}
     if "link" in result:
         link = result["link"]["runs"]
-        for name in ("diloco", "diloco_int8", "diloco_warm", "diloco_warm_hosts"):
+        for name in ("diloco", "diloco_int8", "diloco_warm", "diloco_warm_hosts", "diloco_warm_hier"):
             out[f"{name}_val_loss_ratio"] = link[name]["val_loss_vs_sync"]
             out[f"{name}_bytes_ratio"] = link[name]["bytes_ratio_sync_over_this"]
-        out["diloco_warm_hosts_link_bytes_ratio"] = link["diloco_warm_hosts"]["link_bytes_ratio_sync_over_this"]
+        for name in ("diloco_warm", "diloco_warm_hosts", "diloco_warm_hier"):
+            out[f"{name}_link_bytes_ratio"] = link[name]["link_bytes_ratio_sync_over_this"]
         out["link_fastest_to_sync_loss"], out["link_sync_loss_time_ratio"] = fastest_to_sync_loss(link, SYNC_FAMILY)
     if "throttled" in result:
         runs_ = result["throttled"]["runs"]
@@ -359,8 +364,10 @@ def print_headline(figures: dict) -> None:
     """The headline figures, DiLoCo's bytes ratio last."""
     for key in ("throttled_async_sync_loss_time_ratio", "throttled_balanced_sync_loss_time_ratio",
                 "link_sync_loss_time_ratio", "diloco_int8_val_loss_ratio", "diloco_int8_bytes_ratio",
+                "diloco_warm_hier_val_loss_ratio", "diloco_warm_hier_link_bytes_ratio",
                 "diloco_warm_hosts_val_loss_ratio", "diloco_warm_hosts_link_bytes_ratio", "diloco_warm_val_loss_ratio",
-                "diloco_warm_bytes_ratio", "diloco_val_loss_ratio", "diloco_bytes_ratio"):  # fmt: skip
+                "diloco_warm_link_bytes_ratio", "diloco_warm_bytes_ratio", "diloco_val_loss_ratio",
+                "diloco_bytes_ratio"):  # fmt: skip
         if key in figures:
             value = figures[key]
             print(f"{key}: {'not reached' if value is None else f'{value:.3f}'}")

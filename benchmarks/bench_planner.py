@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from planner_own_runs import auto_runs, own_runs
+from planner_own_runs import auto_runs, own_runs, separated
 
 from loomtrain.planner.arch import gpt
 from loomtrain.planner.cli import resolve_model
@@ -85,7 +85,10 @@ def main() -> None:
     own = None if args.skip_own_runs else own_runs()
     if own is not None:
         own["auto"] = auto_runs(own["rows"])
-        print(f"own runs: MAPE {100 * own['mape']:.1f} %, Kendall tau {own['kendall_tau']:.3f}")
+        print(
+            f"own runs: MAPE {100 * own['mape']:.1f} %, Kendall tau {own['kendall_tau']:.3f}, over the "
+            f"{own['separated_pairs']} pairs the rounds separate {own['kendall_tau_separated']:.3f}"
+        )
     rows = table_rows()
     print("| table | params (B) | t | p | GPUs | batch | b | published TFLOP/s | predicted | error |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -103,6 +106,8 @@ def main() -> None:
                "worst_row_percent": round(100 * max(errs, key=abs), 2),
                "best_constant_mape_percent": round(mape(constant_predictor_errors(MEGATRON_RUNS)), 2)}  # fmt: skip
     previous = json.loads(RESULTS.read_text()).get("own_runs") if RESULTS.is_file() else None
+    if own is None and previous is not None:
+        previous.update(separated(previous["rows"]))  # the kept measurements, τ over separated pairs again
     RESULTS.write_text(json.dumps({"published": rows, "rankings": ranks, "searches": found, "summary": summary,
                                    "own_runs": own or previous}, indent=2) + "\n")  # fmt: skip
     print(f"best constant predictor MAPE {summary['best_constant_mape_percent']:.1f} %; worst row "

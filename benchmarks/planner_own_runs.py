@@ -30,7 +30,7 @@ from loomtrain.planner.arch import from_model_config
 from loomtrain.planner.auto import vocab_size
 from loomtrain.planner.calibrate import local_spec
 from loomtrain.planner.memory import Layout, precision_for
-from loomtrain.planner.published import kendall_tau
+from loomtrain.planner.published import kendall_tau, separated_tau
 from loomtrain.planner.time import step_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,15 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
               f"({100 * (predicted / median - 1):+.1f} %)", flush=True)  # fmt: skip
     mape = statistics.fmean(abs(r["error"]) for r in rows)
     tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    return {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3)}
+    return {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3), **separated(rows)}
+
+
+def separated(rows: list[dict]) -> dict:
+    """Kendall τ over the pairs of ``rows`` whose measured rounds do not overlap
+    (:func:`~loomtrain.planner.published.separated_tau`) and how many pairs that is, of all."""
+    tau, pairs = separated_tau([r["predicted_s"] for r in rows], [r["measured_each_round_s"] for r in rows])
+    return {"kendall_tau_separated": round(tau, 3), "separated_pairs": pairs,
+            "pairs": len(rows) * (len(rows) - 1) // 2}  # fmt: skip
 
 
 def auto_runs(rows: list[dict]) -> list[dict]:

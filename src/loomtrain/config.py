@@ -376,6 +376,7 @@ class DataParallelConfig(_Section):
             "How stage 0 reduces gradients: `allreduce` (flat ring), `hierarchical` (reduce-scatter inside each host,"
             " all-reduce across hosts, all-gather inside; a compressor then compresses only what crosses hosts) or"
             " `auto` (per bucket, whichever the measured topology predicts faster). ZeRO's reduce-scatter stays flat."
+            " In local_sgd, diloco and streaming_diloco with every dp rank a replica, the outer step's average too."
         ),
     )
     zero_stage: int = Field(
@@ -1037,17 +1038,20 @@ class Config(_Section):
         model's blocks, each stage syncing its part), and all three with replicas
         of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
         replica, also with 1D tp, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
-        inside a replica, for now. ``async`` takes the same replicas (replica 0 serves, the
-        others work)."""
+        inside a replica, for now. ``comm_hook`` also reduces the sync family's outer step.
+        ``async`` takes the same replicas (replica 0 serves, the others work), with a flat
+        ``comm_hook``."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
         # ZeRO inside a replica of dp_shard ranks (with 1D tp: its masters on the (dp_shard_sp, tp) mesh).
         zero = self.data_parallel.zero_stage if p.data_parallel_replicate_degree > 1 and p.tp_mode != "2d" else 0
+        hook = self.data_parallel.comm_hook
         plain = [
             ("data_parallel.zero_stage", self.data_parallel.zero_stage, zero),
-            ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce"),
+            # The sync family's outer step averages through it (local_sgd.outer_reducer); async's server does not.
+            ("data_parallel.comm_hook", self.data_parallel.comm_hook, "allreduce" if mode == "async" else hook),
             ("parallel.sequence_parallel_degree", p.sequence_parallel_degree, 1),
             ("compression.method", self.compression.method, "none"),
             ("balance.data", b.data, False),

@@ -29,7 +29,7 @@ from loomtrain.distributed.local_sgd import (
     LocalOnlyHook,
     build_outer_sync,
     outer_group,
-    outer_shard_group,
+    outer_reducer,
     replicas_sync_inside,
 )
 from loomtrain.distributed.parallel_dims import is_main_process, launch_env
@@ -173,7 +173,7 @@ class Trainer:
         self.sync.attach_optimizer(self.optimizer)
         self.outer = build_outer_sync(dp_cfg, self.model, self.optimizer, outer_group(dp_cfg, self.dims), hook,
                                       self.sync.after_step, cfg.model.n_layers,
-                                      outer_shard_group(dp_cfg, self.dims))  # fmt: skip
+                                      outer_reducer(dp_cfg, self.dims, self.topology))  # fmt: skip
         # async: each round reads its own batches (async_dp); this loader only carries the checkpoint's position.
         dp_rank, dp = (0, 1) if cfg.data_parallel.mode == "async" else (self.dims.dp_rank, self.dims.dp)
         self.loader = DistributedBatchLoader(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loomtrain.config import ConfigError, DataParallelConfig, ModelConfig, load_config
+from loomtrain.distributed.collectives import HierarchicalHook, ReplicaSplitHook
 from loomtrain.distributed.data_parallel import AllReduceHook, apply_data_parallel
 from loomtrain.distributed.local_sgd import (
     LocalOnlyHook,
@@ -32,14 +33,17 @@ from loomtrain.distributed.local_sgd import (
     flatten,
     fragment_runs,
     outer_group,
-    outer_shard_group,
+    outer_reducer,
+    payload_hook,
     replicas_sync_inside,
     write_flat,
 )
 from loomtrain.distributed.parallel_dims import ParallelDims
-from loomtrain.distributed.traffic import GRADIENT_AXIS, all_gather_bytes, all_reduce_bytes
+from loomtrain.distributed.topology import Topology
+from loomtrain.distributed.traffic import GRADIENT_AXIS, INTER_HOST_AXIS, all_gather_bytes, all_reduce_bytes
 from loomtrain.models import Transformer
 from tests.distributed.checks import check_result, run_checks, spawn_once
+from tests.distributed.test_hierarchical import topology
 
 CFG = ModelConfig(n_layers=1, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)
 CFG2 = ModelConfig(n_layers=2, n_heads=2, dim=16, max_seq_len=8, vocab_size=32)  # streaming: up to 2 fragments
@@ -55,6 +59,9 @@ STREAMING_F3 = ["--data_parallel.fragments=3", *STREAMING[1:]]
 # Strided, the same 3 fragments of 8 blocks are 0, 3, 6 / 1, 4, 7 / 2, 5: each pp 2 stage holds part of every one.
 STRIDED_F3 = [*STREAMING_F3, "--data_parallel.fragment_pattern=strided"]
 INT8 = ["--data_parallel.outer_grad_dtype=int8"]
+# 4 one-rank replicas on 2 hosts of 2 ranks, the outer all-reduce hierarchical over them.
+HIER = ["--data_parallel.comm_hook=hierarchical"]
+TWO_HOSTS = topology([(0, 1), (2, 3)])
 # 2D tensor parallelism with the least work that still runs every 2D layer: 1 block, one
 # micro-batch of 2 sequences per rank and step (test_pipeline's model otherwise); GRID1 on a 1×1
 # grid (tp 1), GRID4 on a 2×2 grid (tp 4).
@@ -634,14 +641,21 @@ def test_streaming_settings_refused_for_other_modes():
 
 
 def train_local_tp(
-    mode: str, extra: list[str], inner_steps: int = 1, evaluate: bool = False, finish: bool = False
+    mode: str,
+    extra: list[str],
+    inner_steps: int = 1,
+    evaluate: bool = False,
+    finish: bool = False,
+    topology: Topology | None = None,
 ) -> dict[str, torch.Tensor]:
     """``STEPS`` (3) steps of ``test_pipeline``'s 8-layer model with SGD + momentum and no
     clipping on this group's layout; ``mode`` ``sync`` (the gradient all-reduce) or a local
     mode with H = ``inner_steps`` (each replica keeps its gradient, the outer sync averages
     every H steps). With ``evaluate``, an evaluation inside ``global_weights`` after each step,
     as the trainer's; with ``finish``, an outer step forced after the last step, as the
-    trainer's. Rank's replica's full parameters, gathered over tp and ZeRO's shards."""
+    trainer's; ``topology``: the job's hosts, as the trainer discovers them (for
+    ``data_parallel.comm_hook``). Rank's replica's full parameters, gathered over tp and ZeRO's
+    shards."""
     from loomtrain.models.parallelize import parallelize_llama
     from loomtrain.trainer import train_step
     from tests.distributed.test_pipeline import BASE, CPU, STEPS, batches
@@ -658,7 +672,7 @@ def train_local_tp(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     pm.sync.attach_optimizer(optimizer)
     outer = build_outer_sync(dp, model, optimizer, outer_group(dp, dims), hook, pm.sync.after_step, cfg.model.n_layers,
-                             outer_shard_group(dp, dims))  # fmt: skip
+                             outer_reducer(dp, dims, topology))  # fmt: skip
     t = cfg.training
     for step in range(STEPS):
         mine = batches(step, t.global_batch_size, dims.dp_rank, dims.dp, t.micro_batch_size)
@@ -687,11 +701,28 @@ def split_outer_sum() -> tuple[torch.Tensor, int]:
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(7))
     outer = OuterSync([param], torch.optim.SGD([param], lr=0.1), across[rank % 2], "local_sgd", 1,
-                      shard_group=inside[rank // 2])  # fmt: skip
+                      reducer=ReplicaSplitHook(inside[rank // 2]))  # fmt: skip
     with torch.no_grad():
         param.add_(rank // 2 + 1.0)
     outer.outer_step()
     return param.detach().clone(), outer.hook.bytes_sent
+
+
+def hierarchical_outer_sum(dtype: str) -> tuple[torch.Tensor, int]:
+    """Local SGD over 4 one-rank replicas on 2 hosts of 2 (``TWO_HOSTS``), the outer gradient
+    averaged by the hierarchical hook with a ``dtype`` payload across hosts: 7 elements, rank
+    r's parameters shifted by r. This rank's parameters after the outer step and the bytes it
+    sent across hosts."""
+    rank = dist.get_rank()
+    reducer = HierarchicalHook(TWO_HOSTS, payload_hook(dtype))
+    reducer.setup([[0, 1, 2, 3]])
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(7))
+    outer = OuterSync([param], torch.optim.SGD([param], lr=0.1), dist.group.WORLD, "local_sgd", 1, reducer=reducer)
+    with torch.no_grad():
+        param.add_(float(rank))
+    outer.outer_step()
+    return param.detach().clone(), outer.hook.traffic.bytes[INTER_HOST_AXIS]
 
 
 def local_tp_cases() -> dict:
@@ -700,6 +731,12 @@ def local_tp_cases() -> dict:
     r2 = ["--parallel.data_parallel_replicate_degree=2"]  # 2 replicas of 2 dp_shard ranks
     return run_checks({
         "split_outer_sum": split_outer_sum,
+        "hierarchical_outer_sum": lambda: hierarchical_outer_sum("fp32"),
+        "hierarchical_outer_sum_int8": lambda: hierarchical_outer_sum("int8"),
+        "local_sgd_dp4_hier": lambda: train_local_tp("local_sgd", HIER, topology=TWO_HOSTS),
+        "diloco_h2_dp4": lambda: train_local_tp("diloco", [], 2, True, True),
+        "diloco_int8_h2_dp4": lambda: train_local_tp("diloco", INT8, 2, True, True),
+        "diloco_int8_h2_dp4_hier": lambda: train_local_tp("diloco", [*INT8, *HIER], 2, True, True, TWO_HOSTS),
         "sync_pp2": lambda: train_local_tp("sync", pp2),
         "local_sgd_pp2": lambda: train_local_tp("local_sgd", pp2),
         "sync_tp2": lambda: train_local_tp("sync", tp2),
@@ -755,7 +792,8 @@ def test_local_sgd_and_diloco_with_tensor_or_pipeline_parallel_replicas_equal_sy
         torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"local_sgd_pp2: {key}")
     for reference, names in (("sync_tp2", ("local_sgd_tp2", "diloco_tp2", "local_sgd_r2_tp2_zero1",
                                            "diloco_r2_tp2_zero3")), ("sync_tp2_sp", ("local_sgd_tp2_sp",)),
-                             ("sync_dp4", ("local_sgd_r2", "local_sgd_r2_zero1", "diloco_r2_zero3"))):  # fmt: skip
+                             ("sync_dp4", ("local_sgd_r2", "local_sgd_r2_zero1", "diloco_r2_zero3",
+                                           "local_sgd_dp4_hier"))):  # fmt: skip
         want = check_result(got, reference)
         for name in names:
             params = check_result(got, name)
@@ -887,16 +925,57 @@ def test_outer_all_reduce_split_over_a_replicas_ranks():
     """Catches: replicas of several plain-DP ranks each all-reducing the whole model across the
     replicas (k times the bytes between hosts where a replica is a host), a chunk summed with
     another position's chunk, or the padding of an uneven split leaking into the model: every rank
-    must end on the replicas' mean, having sent one all-reduce of its half-model chunk (4 of 7
-    elements, padded) and one all-gather inside its replica."""
+    must end on the replicas' mean, having sent one all-reduce of its piece (elements 0-3 or 4-6
+    of 7) and one all-gather inside its replica (of 2 padded 4-element pieces)."""
     got = spawn_once(local_tp_cases, 4, timeout_s=300)
     torch.manual_seed(0)
     mean = torch.randn(7) + 1.5
-    chunk = 4 * 4  # bytes of one padded chunk
     for rank in range(4):
         params, sent = check_result(got, "split_outer_sum", rank)
         torch.testing.assert_close(params, mean)
-        assert sent == all_reduce_bytes(chunk, 2) + all_gather_bytes(2 * chunk, 2)  # across: 16 bytes, not 28
+        piece = 4 * (4 if rank % 2 == 0 else 3)  # bytes of this rank's piece: across 16 or 12 bytes, not 28
+        assert sent == all_reduce_bytes(piece, 2) + all_gather_bytes(2 * 4 * 4, 2)
+
+
+def test_outer_all_reduce_of_one_rank_replicas_hierarchical_over_hosts():
+    """Catches: ``data_parallel.comm_hook`` ignored by the outer step of one-rank replicas (each
+    rank would send 1.5 model-sizes across hosts in a flat ring of 4 over 2 hosts instead of
+    0.5), a host's partial sum counted twice or lost, or an int8 payload quantized per rank
+    but decoded as a host's sum: 4 replicas on 2 hosts × 2, the hierarchical hook must give every
+    rank the replicas' mean (fp32: within float rounding; int8: within its quantization error)
+    having sent across hosts only its half of the host's sum (4 or 3 of 7 elements, fp32: 16 or 12
+    bytes; int8: those elements and one fp32 scale); and local SGD (H = 1) through it must train
+    exactly as synchronous dp 4 (checked with the other layouts above)."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    torch.manual_seed(0)
+    mean = torch.randn(7) + 1.5
+    for rank in range(4):
+        elements = 4 if rank % 2 == 0 else 3  # this rank's piece of the host's reduce-scatter
+        params, across = check_result(got, "hierarchical_outer_sum", rank)
+        torch.testing.assert_close(params, mean)
+        assert across == all_reduce_bytes(4 * elements, 2)
+        params, across = check_result(got, "hierarchical_outer_sum_int8", rank)
+        torch.testing.assert_close(params, mean, rtol=0, atol=0.05)  # int8: |x| ≤ 5, 1/127 of it per step
+        assert across == all_gather_bytes(2 * (4 + elements), 2)
+
+
+def test_int8_outer_gradients_across_hosts_stay_as_close_as_flat_ones():
+    """Catches: DiLoCo's int8 outer gradients through the hierarchical hook quantizing the wrong
+    values (a host's sum as if a replica's, a piece cut inside an int8 chunk's scale) or giving
+    replicas different sums, or ``comm_hook`` ignored (the run would equal flat int8's bit for
+    bit): 4 one-rank replicas on 2 hosts × 2, H = 2 (an outer step after steps 2 and 3), every
+    replica must end bitwise identical and as close to fp32 DiLoCo as flat int8 is, within 2x its
+    largest error."""
+    got = spawn_once(local_tp_cases, 4, timeout_s=300)
+    fp32, flat = check_result(got, "diloco_h2_dp4"), check_result(got, "diloco_int8_h2_dp4")
+    hier = [check_result(got, "diloco_int8_h2_dp4_hier", rank) for rank in range(4)]
+    flat_error = max((flat[k] - fp32[k]).abs().max().item() for k in fp32)
+    assert flat_error > 0  # int8 moved the flat run: the bound below is not vacuous
+    # Host sums quantize differently from each replica's delta: equal would mean comm_hook was ignored.
+    assert any(not torch.equal(hier[0][key], flat[key]) for key in fp32)
+    for key in fp32:
+        assert all(torch.equal(h[key], hier[0][key]) for h in hier[1:]), key
+        assert (hier[0][key] - fp32[key]).abs().max().item() <= 2 * flat_error, key
 
 
 def test_int8_outer_gradients_of_zero_sharded_replicas_stay_close_to_one_rank_replicas():

@@ -25,7 +25,7 @@ from loomtrain.planner.cli import cmd_plan
 from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
 from loomtrain.planner.cost import DEVICES, Gemm
 from loomtrain.planner.memory import RECOMPUTE, Layout, device_params, precision_for
-from loomtrain.planner.published import kendall_tau
+from loomtrain.planner.published import kendall_tau, separated_tau
 from loomtrain.planner.search import search
 from loomtrain.planner.time import (
     DGX_A100,
@@ -239,6 +239,18 @@ def test_kendall_tau():
     assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="one length"):
         kendall_tau([1], [1])
+
+
+def test_separated_tau_counts_only_pairs_the_rounds_order():
+    """Catches: pairs whose measured rounds interleave (within the measurement's own noise)
+    counted as if ordered, or a separated pair's order read from the wrong item: items 0 and 1
+    overlap (1.0-1.2 against 1.1-1.3) and are left out; of the other two pairs, the prediction
+    orders (0, 2) right and (1, 2) wrong, so τ = 0 over 2 pairs."""
+    rounds = [[1.0, 1.2], [1.1, 1.3], [2.0, 2.1]]
+    assert separated_tau([1.0, 3.0, 2.0], rounds) == (0.0, 2)
+    assert separated_tau([1.0, 1.5, 2.0], rounds) == (1.0, 2)
+    with pytest.raises(ValueError, match="no pair"):
+        separated_tau([1.0, 2.0], [[1.0, 2.0], [1.5, 2.5]])
 
 
 def _curves(**seconds_by_op):

@@ -63,9 +63,11 @@ from torch.distributed.tensor import DTensor
 from loomtrain.checkpoint import StateDictSharding, load_param_state, read_rank_state
 from loomtrain.compression.quantize import dequantize_int8, quantize_int8
 from loomtrain.config import DataParallelConfig
-from loomtrain.distributed.data_parallel import CommHook, GradBucket
+from loomtrain.distributed.collectives import AutoHook, HierarchicalHook, ReplicaSplitHook, reduced_value
+from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, Pending
 from loomtrain.distributed.local_step import placed_like
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
+from loomtrain.distributed.topology import Topology
 from loomtrain.distributed.traffic import all_gather_bytes, all_reduce_bytes
 from loomtrain.hardware import synchronize
 
@@ -182,10 +184,13 @@ class OuterSync:
     step counter. ``inner_optimizer`` is the local optimizer stepping ``params``: its state is
     part of :meth:`state_dict`, since DCP keeps one copy of what it takes for replicated.
     ``hook``: the gradient synchronizer's hook, where the outer all-reduce's bytes are counted
-    (a fresh :class:`LocalOnlyHook` if ``None``). ``written``: called whenever the outer loop has
-    written into the parameters (ZeRO's ``after_step``: the full copies it computes with are
-    refreshed from the masters; with ZeRO inside a replica ``params`` are its masters, and this
-    rank's rows of them are what it averages with the same rows of the other replicas).
+    (a fresh :class:`LocalOnlyHook` if ``None``). ``reducer``: the communication hook that
+    averages the outer gradients over ``group`` (:func:`outer_reducer`: flat, split over a
+    replica's ranks or hierarchical over hosts; a flat fp32 ``AllReduceHook`` if ``None``).
+    ``written``: called whenever the outer loop has written into the parameters (ZeRO's
+    ``after_step``: the full copies it computes with are refreshed from the masters; with ZeRO
+    inside a replica ``params`` are its masters, and this rank's rows of them are what it
+    averages with the same rows of the other replicas).
 
     Attributes:
         inner_done: inner steps since the last outer step.
@@ -202,13 +207,14 @@ class OuterSync:
                  group: dist.ProcessGroup, mode: str, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
                  hook: CommHook | None = None, written: Callable[[], None] = lambda: None,
-                 shard_group: dist.ProcessGroup | None = None):  # fmt: skip
+                 reducer: CommHook | None = None):  # fmt: skip
         if mode not in OUTER_SYNC_MODES:
             raise ValueError(f"mode={mode!r} is not an outer-step mode; use one of {sorted(OUTER_SYNC_MODES)}")
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps} must be at least 1")
         self.params, self.inner_optimizer, self.group = list(params), inner_optimizer, group
-        self.mode, self.inner_steps, self.shard_group = mode, inner_steps, shard_group
+        self.mode, self.inner_steps = mode, inner_steps
+        self.reducer = reducer if reducer is not None else AllReduceHook()
         self.hook = hook if hook is not None else LocalOnlyHook()
         self.written = written
         self.global_flat = flatten(self.params)
@@ -234,22 +240,17 @@ class OuterSync:
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        """All-reduce the mean outer gradient ``Δ = θ_global − mean θ_local`` (fp32, ``4·Σ
-        numel`` bytes), update ``θ_global`` and copy it into every replica's parameters. The
-        ring volume is counted in :attr:`hook`'s ``bytes_sent`` (the ``dp`` axis of its traffic
-        counter) and ``dense_bytes``, as a dense gradient all-reduce would be. A collective over
-        :attr:`group`."""
-        n = dist.get_world_size(self.group)
+        """Average the outer gradient ``Δ = θ_global − θ_local`` (fp32, ``4·Σ numel`` bytes)
+        over the replicas through :attr:`reducer`, update ``θ_global`` and copy it into every
+        replica's parameters. The bytes are counted in :attr:`hook` (``bytes_sent``: the ``dp``
+        axis of its traffic counter; ``dense_bytes``). A collective over :attr:`group`."""
         delta = self.global_flat - flatten(self.params)
         # On CUDA the collective is queued on a stream: the wait is measured between device syncs.
         synchronize(delta.device)
         start = time.perf_counter()
-        delta, nbytes = self._sum_over_replicas(delta)
+        delta = self.average(self.outer_bucket(0, delta, self.params)).wait()
         synchronize(delta.device)
         self.wait_s += time.perf_counter() - start
-        self.hook.bytes_sent += nbytes
-        self.hook.dense_bytes += nbytes
-        delta.div_(n)
         if self.outer_optimizer is None:
             self.global_flat.sub_(delta)
         else:
@@ -261,30 +262,34 @@ class OuterSync:
         self.inner_done = 0
         self.outer_steps += 1
 
-    def _sum_over_replicas(self, delta: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``delta`` (1-D) summed over :attr:`group`, and the bytes this rank sent for it. Without
-        :attr:`shard_group`, one all-reduce of the whole. With it (replicas of ``k`` plain-DP ranks,
-        whose deltas are equal inside a replica), rank ``j`` of a replica all-reduces only the
-        ``j``-th of ``k`` chunks with the same rank of the other replicas and the replica
-        all-gathers the sums: the bytes across replicas (between hosts, with a replica per host)
-        fall ``k``-fold, the all-gather stays inside the replica (the hierarchical all-reduce's
-        split, Jia et al. 2018 §3; its intra-host reduce-scatter is not needed: the chunks are
-        already equal)."""
-        n = dist.get_world_size(self.group)
-        if self.shard_group is None:
-            dist.all_reduce(delta, group=self.group)
-            return delta, all_reduce_bytes(delta.numel() * delta.element_size(), n)
-        k, j = dist.get_world_size(self.shard_group), dist.get_rank(self.shard_group)
-        width = -(-delta.numel() // k)
-        rows = torch.zeros(k * width, dtype=delta.dtype, device=delta.device)
-        rows[: delta.numel()] = delta
-        mine = rows.view(k, width)[j].clone()
-        dist.all_reduce(mine, group=self.group)
-        parts = [torch.empty_like(mine) for _ in range(k)]
-        dist.all_gather(parts, mine, group=self.shard_group)
-        chunk = width * delta.element_size()
-        sent = all_reduce_bytes(chunk, n) + all_gather_bytes(k * chunk, k)
-        return torch.cat(parts)[: delta.numel()], sent
+    def outer_bucket(self, index: int, delta: torch.Tensor, params: list[nn.Parameter]) -> GradBucket:
+        """``delta`` (1-D, the held elements of ``params`` back to back) as the bucket
+        :attr:`reducer` takes: ``index`` keys its per-bucket choices (``auto``'s path), and each
+        parameter's elements are a ``[rows, cols]`` matrix view, so that a split cuts at row
+        boundaries and int8 scales never span two parameters (:class:`OuterPayloadHook`)."""
+        matrices, offset = [], 0
+        for p in params:
+            t = held(p)
+            rows = t.shape[0] if t.dim() and t.numel() else 1
+            matrices.append(delta[offset : offset + t.numel()].view(rows, -1))
+            offset += t.numel()
+        return GradBucket(index, delta, [], [], [], matrices=matrices)
+
+    def average(self, bucket: GradBucket) -> Pending:
+        """Start :attr:`reducer`'s average of ``bucket`` over :attr:`group`; its bytes, as they
+        are sent (at the start and in ``wait()``), are counted in :attr:`hook`."""
+        pending = self._counted(lambda: self.reducer.reduce(bucket, self.group))
+        return Pending(None, lambda: self._counted(lambda: reduced_value(pending.wait())))
+
+    def _counted(self, call: Callable[[], Any]) -> Any:
+        """``call()``, adding the bytes :attr:`reducer` counted during it to :attr:`hook`'s (every
+        axis of its traffic counter, and ``dense_bytes``)."""
+        before, dense = self.reducer.traffic.snapshot(), self.reducer.dense_bytes
+        result = call()
+        for axis, total in self.reducer.traffic.snapshot().items():
+            self.hook.traffic.bytes[axis] += total - before.get(axis, 0)
+        self.hook.dense_bytes += self.reducer.dense_bytes - dense
+        return result
 
     def summary_fields(self) -> dict[str, Any]:
         """``outer_sync_s`` (:attr:`wait_s`) and ``outer_steps`` for ``summary.json``."""
@@ -580,24 +585,53 @@ def sum_decoded(parts: list[torch.Tensor], numels: list[int], dtype: str) -> tor
     return total
 
 
+class OuterPayloadHook(CommHook):
+    """Averages outer gradients sent as bf16 or int8 payloads (Streaming DiLoCo, Douillard et al.
+    2025, §2.5 quantizes the outer gradients): ``reduce`` encodes ``bucket.buffer`` (fp32, 1-D)
+    with :func:`encode_outer`, one piece per matrix of ``bucket.matrices`` (so no int8 scale
+    spans two parameters; the whole buffer if it has none), all-gathers the payloads over the
+    group (``async_op``) and, in ``wait()``, decodes and sums them in rank order in fp32 and
+    divides by the group's size: every rank gets the bitwise same mean. ``bytes_sent``: the
+    all-gather's ring volume; ``dense_bytes``: the fp32 all-reduce's.
+
+    Args:
+        dtype: ``"bf16"`` or ``"int8"`` (``data_parallel.outer_grad_dtype``).
+    """
+
+    def __init__(self, dtype: str):
+        super().__init__()
+        self.dtype = dtype
+
+    def reduce(self, bucket: GradBucket, group: dist.ProcessGroup) -> Pending:
+        """Start the all-gather of ``bucket.buffer``'s payload; ``wait()`` returns the buffer
+        holding the group's mean."""
+        n = dist.get_world_size(group)
+        numels = [m.numel() for m in bucket.matrices] or [bucket.buffer.numel()]
+        payload = encode_outer(bucket.buffer, numels, self.dtype)
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+        parts = list(gathered.chunk(n))
+        self.bytes_sent += all_gather_bytes(gathered.numel(), n)
+        self.dense_bytes += all_reduce_bytes(bucket.nbytes, n)
+        work = dist.all_gather(parts, payload, group=group, async_op=True)
+        return Pending(work, lambda: bucket.buffer.copy_(sum_decoded(parts, numels, self.dtype)).div_(n))
+
+
 @dataclass
 class InFlight:
     """One fragment's outer all-reduce, started at a sync step and applied at inner step
-    ``apply_at``. ``finish`` gives the replicas' summed outer gradient (1-D fp32) once ``work``
-    is done; ``total`` holds it after :meth:`wait` (or from a checkpoint, with no ``work``)."""
+    ``apply_at``. ``pending`` gives the replicas' mean outer gradient (1-D fp32); ``mean`` holds
+    it after :meth:`wait` (or from a checkpoint, with no ``pending``)."""
 
     fragment: int
     apply_at: int
-    work: dist.Work | None
-    finish: Callable[[], torch.Tensor] | None
-    total: torch.Tensor | None = None
+    pending: Pending | None
+    mean: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
-        """The summed outer gradient, waiting for the collective if it is still in flight."""
-        if self.total is None:
-            self.work.wait()
-            self.total = self.finish()
-        return self.total
+        """The mean outer gradient, waiting for the collective if it is still in flight."""
+        if self.mean is None:
+            self.mean = self.pending.wait()
+        return self.mean
 
 
 class StreamingOuterSync(OuterSync):
@@ -637,7 +671,8 @@ class StreamingOuterSync(OuterSync):
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], inner_optimizer: torch.optim.Optimizer,
                  group: dist.ProcessGroup, cfg: DataParallelConfig, hook: CommHook | None = None,
-                 written: Callable[[], None] = lambda: None, n_blocks: int | None = None):  # fmt: skip
+                 written: Callable[[], None] = lambda: None, n_blocks: int | None = None,
+                 reducer: CommHook | None = None):  # fmt: skip
         names, params = [name for name, _ in named], [p for _, p in named]
         h = cfg.resolved_inner_steps
         n_blocks = count_blocks(names) if n_blocks is None else n_blocks
@@ -656,8 +691,9 @@ class StreamingOuterSync(OuterSync):
         )  # fmt: skip
         self.pending: list[InFlight] = []
         # cfg.mode: "diloco" when build_outer_sync runs DiLoCo's quantized outer gradients through here.
+        reducer = reducer if reducer is not None else payload_hook(cfg.outer_grad_dtype)
         super().__init__(params, inner_optimizer, group, cfg.mode, h, cfg.outer_lr, cfg.outer_momentum,
-                         cfg.outer_nesterov, hook, written)  # fmt: skip
+                         cfg.outer_nesterov, hook, written, reducer)  # fmt: skip
 
     def _build_outer_optimizer(self, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
         """One outer SGD whose parameters are the fragments' runs' views of ``θ_global`` (in
@@ -715,22 +751,10 @@ class StreamingOuterSync(OuterSync):
         apply_at = self.inner_done + self.overlap_steps
         delta = torch.cat(self.views[fragment])  # θ_global,f: a new 1-D tensor
         if delta.numel() == 0:  # none of it on this pipeline stage (nor its dp group's: the same)
-            return InFlight(fragment, apply_at, None, None, delta)
+            return InFlight(fragment, apply_at, None, delta)
         delta.sub_(flatten(params))
-        n = dist.get_world_size(self.group)
-        self.hook.dense_bytes += all_reduce_bytes(4 * delta.numel(), n)
-        if self.outer_grad_dtype == "fp32":
-            self.hook.bytes_sent += all_reduce_bytes(4 * delta.numel(), n)
-            work = dist.all_reduce(delta, group=self.group, async_op=True)
-            return InFlight(fragment, apply_at, work, lambda: delta)
-        # This rank's rows of each tensor (held): with ZeRO inside a replica, a shard of it.
-        numels = [held(p).numel() for p in params]
-        payload = encode_outer(delta, numels, self.outer_grad_dtype)
-        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
-        parts = list(gathered.chunk(n))
-        self.hook.bytes_sent += all_gather_bytes(gathered.numel(), n)
-        work = dist.all_gather(parts, payload, group=self.group, async_op=True)
-        return InFlight(fragment, apply_at, work, lambda: sum_decoded(parts, numels, self.outer_grad_dtype))
+        # The fragment's index keys the reducer's per-bucket state (auto's path for its size).
+        return InFlight(fragment, apply_at, self.average(self.outer_bucket(fragment, delta, params)))
 
     @torch.no_grad()
     def _apply(self, entry: InFlight, mix: bool) -> None:
@@ -739,11 +763,11 @@ class StreamingOuterSync(OuterSync):
         α towards its own ``θ_local,f``)."""
         synchronize(self.global_flat.device)
         start = time.perf_counter()
-        total = entry.wait()
+        mean = entry.wait()
         synchronize(self.global_flat.device)
         self.wait_s += time.perf_counter() - start
         views = self.views[entry.fragment]
-        grads = total.div_(dist.get_world_size(self.group)).split([view.numel() for view in views])
+        grads = mean.split([view.numel() for view in views])
         for view, grad in zip(views, grads, strict=True):
             view.grad = grad
         self.outer_optimizer.step()
@@ -785,9 +809,9 @@ class StreamingOuterSync(OuterSync):
         """:meth:`OuterSync.state_dict` plus ``fragments`` (F), ``fragment_pattern`` and
         ``pending``: each in-flight all-reduce is completed first (a collective wait, so every
         rank must checkpoint at the same step, as the trainer does) and saved as ``{"fragment",
-        "apply_at", "total"}`` (the summed fp32 outer gradient), still to be applied at its own
-        step: a resume continues the same run."""
-        pending = [{"fragment": e.fragment, "apply_at": e.apply_at, "total": e.wait().clone()} for e in self.pending]
+        "apply_at", "mean"}`` (the replicas' mean fp32 outer gradient), still to be applied at its
+        own step: a resume continues the same run."""
+        pending = [{"fragment": e.fragment, "apply_at": e.apply_at, "mean": e.wait().clone()} for e in self.pending]
         layout = {"fragments": len(self.runs), "fragment_pattern": self.pattern}
         return {**super().state_dict(), **layout, "pending": pending}
 
@@ -801,15 +825,21 @@ class StreamingOuterSync(OuterSync):
                 f"data_parallel.fragment_pattern={saved[1]!r}"
             )
         super()._restore(state)
-        device = self.global_flat.device
-        self.pending = [InFlight(p["fragment"], p["apply_at"], None, None, p["total"].to(device).clone())
+        device, n = self.global_flat.device, dist.get_world_size(self.group)
+        self.pending = [InFlight(p["fragment"], p["apply_at"], None, _saved_mean(p, n).to(device).clone())
                         for p in state["pending"]]  # fmt: skip
+
+
+def _saved_mean(entry: dict[str, Any], replicas: int) -> torch.Tensor:
+    """A checkpointed in-flight sync's mean outer gradient (files written before 2026-12-04
+    hold the replicas' sum, ``total``)."""
+    return entry["mean"] if "mean" in entry else entry["total"] / replicas
 
 
 def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                      group: dist.ProcessGroup, hook: CommHook,
                      written: Callable[[], None] = lambda: None, n_blocks: int | None = None,
-                     shard_group: dist.ProcessGroup | None = None) -> Any:  # fmt: skip
+                     reducer: CommHook | None = None) -> Any:  # fmt: skip
     """The outer loop that ``cfg.mode`` asks for over the dp ``group`` (``None`` for ``sync``;
     :class:`StreamingOuterSync` for ``streaming_diloco``, and with one fragment and no overlap for
     ``diloco`` with a 16- or 8-bit ``outer_grad_dtype``; the state of the asynchronous mode,
@@ -817,9 +847,9 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
     on ``model``'s trainable parameters, counting its bytes in ``hook`` (the gradient
     synchronizer's). ``group``: :func:`outer_group`; ``written``: the gradient synchronizer's
     ``after_step`` (see :class:`OuterSync`); ``n_blocks``: the whole model's transformer blocks
-    (streaming's fragments; needed where ``model`` is one pipeline stage); ``shard_group``:
-    :func:`outer_shard_group` (local SGD and fp32 DiLoCo split their outer all-reduce over it). A
-    collective."""
+    (streaming's fragments; needed where ``model`` is one pipeline stage); ``reducer``: the hook
+    that averages the outer gradients (:func:`outer_reducer`; ``None``: flat, in
+    ``cfg.outer_grad_dtype``). A collective."""
     if cfg.mode == "sync":
         return None
     if cfg.mode == "async":
@@ -827,16 +857,17 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
 
         return AsyncOuter([p for p in model.parameters() if p.requires_grad], inner_optimizer, cfg, group, hook,
                           written)  # fmt: skip
+    reducer = reducer if reducer is not None else payload_hook(cfg.outer_grad_dtype)
     if cfg.mode == "diloco" and cfg.outer_grad_dtype != "fp32":
         # DiLoCo is streaming DiLoCo with one fragment and no overlap (tested equal in fp32), so its
         # quantized outer gradients take that path (Streaming DiLoCo §2.5 quantizes them; the
         # DiLoCo paper's own are fp32).
         cfg = cfg.model_copy(update={"fragments": 1, "overlap_steps": 0})
     if cfg.mode == "streaming_diloco" or cfg.outer_grad_dtype != "fp32":
-        return StreamingOuterSync(trainable(model), inner_optimizer, group, cfg, hook, written, n_blocks)
+        return StreamingOuterSync(trainable(model), inner_optimizer, group, cfg, hook, written, n_blocks, reducer)
     params = [p for _, p in trainable(model)]
     return OuterSync(params, inner_optimizer, group, cfg.mode, cfg.resolved_inner_steps, cfg.outer_lr,
-                     cfg.outer_momentum, cfg.outer_nesterov, hook, written, shard_group)  # fmt: skip
+                     cfg.outer_momentum, cfg.outer_nesterov, hook, written, reducer)  # fmt: skip
 
 
 def replicas_sync_inside(cfg: DataParallelConfig, dims: ParallelDims) -> bool:
@@ -850,10 +881,43 @@ def replicas_sync_inside(cfg: DataParallelConfig, dims: ParallelDims) -> bool:
 def outer_shard_group(cfg: DataParallelConfig, dims: ParallelDims) -> dist.ProcessGroup | None:
     """The ``dp_shard`` group when a local mode's replicas are several plain-DP ranks each (no
     ZeRO: every rank of a replica holds the same parameters, so the outer all-reduce can be split
-    over them, :meth:`OuterSync._sum_over_replicas`); else ``None``. A collective the first time."""
+    over them, :class:`ReplicaSplitHook`); else ``None``. A collective the first time."""
     if not replicas_sync_inside(cfg, dims) or cfg.zero_stage or dims.dp_shard == 1:
         return None
     return dims.group(Axis.DP_SHARD)
+
+
+def payload_hook(outer_grad_dtype: str) -> CommHook:
+    """The flat hook averaging outer gradients in ``outer_grad_dtype``: a dense fp32
+    ``AllReduceHook``, or an :class:`OuterPayloadHook` for bf16 and int8."""
+    return AllReduceHook() if outer_grad_dtype == "fp32" else OuterPayloadHook(outer_grad_dtype)
+
+
+def outer_reducer(cfg: DataParallelConfig, dims: ParallelDims, topology: Topology | None) -> CommHook | None:
+    """The hook a sync-family mode's outer step averages with (``None`` for other modes), its
+    payload in ``cfg.outer_grad_dtype`` (:func:`payload_hook`): split over the ranks of a replica
+    of several plain-DP ranks (:func:`outer_shard_group`, :class:`ReplicaSplitHook`); with every
+    dp rank a replica and ``cfg.comm_hook`` ``hierarchical`` or ``auto``, the multi-host hooks
+    over the outer groups (reduce-scatter inside each host, the payload across hosts, all-gather
+    inside: each rank sends ``1/P`` of it across hosts), set up here on ``topology`` (the job's,
+    identical on every rank); else flat. A collective (the groups it needs).
+
+    Raises:
+        ValueError: ``hierarchical`` or ``auto`` without a ``topology``.
+    """
+    if cfg.mode not in OUTER_SYNC_MODES:
+        return None
+    inner = payload_hook(cfg.outer_grad_dtype)
+    replica = outer_shard_group(cfg, dims)
+    if replica is not None:
+        return ReplicaSplitHook(replica, inner)
+    if replicas_sync_inside(cfg, dims) or cfg.comm_hook == "allreduce":
+        return inner
+    if topology is None:
+        raise ValueError(f"data_parallel.comm_hook={cfg.comm_hook!r} needs the job's topology (discover_topology())")
+    hook = {"hierarchical": HierarchicalHook, "auto": AutoHook}[cfg.comm_hook](topology, inner)
+    hook.setup(dims.axis_groups(Axis.DP_SP))  # the outer groups of one-rank replicas (outer_group)
+    return hook
 
 
 def outer_group(cfg: DataParallelConfig, dims: ParallelDims) -> dist.ProcessGroup:

@@ -30,6 +30,7 @@ Run ``python -m loomtrain.planner.published`` to print the comparison.
 from __future__ import annotations
 
 import itertools
+import statistics
 from typing import NamedTuple
 
 from loomtrain.planner.arch import gpt
@@ -146,6 +147,28 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
         raise ValueError(f"kendall_tau needs two sequences of one length >= 2 (got {len(a)} and {len(b)})")
     signs = [(a[i] - a[j]) * (b[i] - b[j]) for i, j in itertools.combinations(range(len(a)), 2)]
     return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(signs)
+
+
+def separated_tau(predicted: list[float], rounds: list[list[float]]) -> tuple[float, int]:
+    """Kendall's τ-a (:func:`kendall_tau`) of ``predicted`` against the measurements, over the
+    pairs the measurements order on their own: those where every round of one item (``rounds[i]``,
+    one measured value per round) is below every round of the other. A pair whose rounds
+    interleave is within the measurement's own noise; its order is a coin toss. Returns τ over
+    the separated pairs (by their measured medians) and their number.
+
+    Raises:
+        ValueError: lengths differ, an item without rounds, or no separated pair.
+    """
+    if len(predicted) != len(rounds) or not all(rounds):
+        raise ValueError(f"separated_tau needs one non-empty list of rounds per prediction (got {len(predicted)} "
+                         f"predictions, {len(rounds)} lists)")  # fmt: skip
+    pairs = [(i, j) for i, j in itertools.combinations(range(len(rounds)), 2)
+             if max(rounds[i]) < min(rounds[j]) or max(rounds[j]) < min(rounds[i])]  # fmt: skip
+    if not pairs:
+        raise ValueError("no pair of items is separated by its measurements: τ is undefined")
+    median = [statistics.median(r) for r in rounds]
+    signs = [(predicted[i] - predicted[j]) * (median[i] - median[j]) for i, j in pairs]
+    return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(pairs), len(pairs)
 
 
 def constant_predictor_errors(runs: tuple[PublishedRun, ...] = MEGATRON_RUNS) -> list[float]:
