@@ -1037,16 +1037,17 @@ class Config(_Section):
         2D blocks or stage over its dp group; streaming's fragments are cut from the whole
         model's blocks, each stage syncing its part), and all three with replicas
         of ``dp_shard`` ranks (``data_parallel_replicate_degree`` > 1: plain DP or ZeRO inside a
-        replica, also with 1D tp, the outer step over ``dp_replicate``); nothing else sharded, split or compressed
-        inside a replica, for now. ``comm_hook`` also reduces the sync family's outer step.
+        replica, also with 1D or 2D tp, the outer step over ``dp_replicate``); nothing else sharded, split or
+        compressed inside a replica, for now. ``comm_hook`` also reduces the sync family's outer step.
         ``async`` takes the same replicas (replica 0 serves, the others work), with a flat
         ``comm_hook``."""
         mode = self.data_parallel.mode
         if mode == "sync":
             return self
         p, b = self.parallel, self.balance
-        # ZeRO inside a replica of dp_shard ranks (with 1D tp: its masters on the (dp_shard_sp, tp) mesh).
-        zero = self.data_parallel.zero_stage if p.data_parallel_replicate_degree > 1 and p.tp_mode != "2d" else 0
+        # ZeRO inside a replica of dp_shard ranks (with 1D tp: its masters on the (dp_shard_sp, tp) mesh;
+        # with 2D tp: on dp_shard_sp, each grid rank's block rows).
+        zero = self.data_parallel.zero_stage if p.data_parallel_replicate_degree > 1 else 0
         hook = self.data_parallel.comm_hook
         plain = [
             ("data_parallel.zero_stage", self.data_parallel.zero_stage, zero),
@@ -1058,12 +1059,12 @@ class Config(_Section):
             ("balance.samples_per_rank", b.samples_per_rank, []),
         ]
         for name, value, needed in plain:
-            hint = ZERO_HINT if name == "data_parallel.zero_stage" and p.tp_mode != "2d" else ""
+            hint = ZERO_HINT if name == "data_parallel.zero_stage" else ""
             if value != needed:
                 raise ValueError(
                     f"data_parallel.mode={mode!r} with {name}={value!r} is not supported yet (a replica may be split "
                     "by 1D or 2D tp, over dp_shard ranks with plain DP or ZeRO "
-                    "(parallel.data_parallel_replicate_degree > 1; ZeRO not with 2D tp), or by a pipeline, but not "
+                    "(parallel.data_parallel_replicate_degree > 1), or by a pipeline, but not "
                     f"otherwise sharded or compressed); set {name}={needed!r}{hint}"
                     " or data_parallel.mode='sync'"
                 )

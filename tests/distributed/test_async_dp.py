@@ -768,29 +768,40 @@ def test_two_tensor_parallel_workers_keep_the_staleness_rule(tmp_path):
     assert summary["outer_steps"] == sum(r["applied"] for r in got) and summary["final_step"] == 16
 
 
+# Async replicas that are 2×2 grids of 2D tp: plain, and with ZeRO-1 over a dp_shard group of one rank.
+GRIDS = {"grid": [], "grid_zero1": ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=1"]}
+
+
 def train_grid_replicas(out: str) -> None:
-    """8 processes: a server replica and one worker replica, each a 2×2 grid of 2D tp."""
+    """8 processes: a server replica and one worker replica, each a 2×2 grid of 2D tp, for
+    each of :data:`GRIDS`."""
     from loomtrain.trainer import train
 
-    train(load_config(None, [*TINY, *ASYNC, *EVAL2, "--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d",
-                             f"--run.out_dir={out}", "--run.name=grid"]))  # fmt: skip
+    grid = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d"]
+    for name, extra in GRIDS.items():
+        train(load_config(None, [*TINY, *ASYNC, *EVAL2, *grid, *extra, f"--run.out_dir={out}", f"--run.name={name}"]))
 
 
-@pytest.mark.slow  # 8 processes on 2 cores: ~40 s
+@pytest.mark.slow  # 8 processes on 2 cores: ~45 s for both layouts (load 12)
 def test_replicas_of_a_2d_grid_equal_one_rank_replicas(trained, tmp_path):
     """Catches, for async replicas that are 2×2 grids of 2D tp (SUMMA's reductions on the
     grid's rows and columns, the norm weights' sum over a grid column): a server rank that
     does not repeat its leader's exchanges on its 2D block, a block exchanged with another grid
     position's, or a 2D reduction lost with the dp all-reduce: one worker's round losses and
-    final model must equal the one-rank replicas' (as in the test of tp, pp and ZeRO replicas)."""
+    final model must equal the one-rank replicas' (as in the test of tp, pp and ZeRO replicas).
+    The same with ZeRO-1 inside each grid replica (a dp_shard group of one rank): also catches
+    its masters cut over dp_replicate as in HSDP (the server and the worker would share one
+    ZeRO state)."""
     spawn_once(train_grid_replicas, 8, str(tmp_path), timeout_s=300)
-    got = [r for r in records(tmp_path / "grid") if "round" in r]
-    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in records(trained / "whole")],
-                               rtol=1e-5, atol=0)  # fmt: skip
-    want, model = final_model(trained / "whole", tmp_path), final_model(tmp_path / "grid", tmp_path)
-    assert model.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(model[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    want = final_model(trained / "whole", tmp_path)
+    for name in GRIDS:
+        got = [r for r in records(tmp_path / name) if "round" in r]
+        torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in records(trained / "whole")],
+                                   rtol=1e-5, atol=0, msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        model = final_model(tmp_path / name, tmp_path)
+        assert model.keys() == want.keys(), name
+        for key in want:
+            torch.testing.assert_close(model[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
 def with_inner_state(outer: AsyncOuter) -> AsyncOuter:

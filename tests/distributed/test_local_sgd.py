@@ -67,6 +67,8 @@ TWO_HOSTS = topology([(0, 1), (2, 3)])
 # grid (tp 1), GRID4 on a 2×2 grid (tp 4).
 GRID1 = ["--parallel.tp_mode=2d", "--model.n_layers=1", "--training.global_batch_size=4"]
 GRID4 = ["--parallel.tensor_parallel_degree=4", *GRID1]
+# The same 2×2 grids as 2 replicas over dp_replicate (a dp_shard group of one rank each): ZeRO inside.
+GRID4_R2 = [*GRID4, "--parallel.data_parallel_replicate_degree=2"]
 # Streaming DiLoCo on the grid: 2 blocks in 2 fragments, overlap τ = 1, fp32 outer gradients (bf16
 # would round the two layouts' slightly different sums to different values).
 GRID_STREAMING = ["--model.n_layers=2", "--data_parallel.fragments=2", "--data_parallel.overlap_steps=1"]
@@ -470,10 +472,10 @@ def test_resume_inside_an_inner_phase_continues_the_run_exactly():
 def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     """Catches: a local mode accepted with ZeRO when every dp rank is a replica (nothing to
     shard over), Ulysses sp, compression or data balancing, which would run with a gradient
-    synchronizer or replica layout the outer sync ignores; ZeRO with 2D tp inside replicas, not
-    built; or async's replicas of several ranks (dp_shard with ZeRO, tp, 2D tp, a pipeline),
-    replicas of dp_shard ranks with ZeRO (also streaming's), streaming and quantized DiLoCo on
-    pipelines, or the sync-family modes with 2D tp, refused where they compose."""
+    synchronizer or replica layout the outer sync ignores; or async's replicas of several ranks
+    (dp_shard with ZeRO, tp, 2D tp, a pipeline), replicas of dp_shard ranks with ZeRO (also
+    streaming's, also with 1D or 2D tp), streaming and quantized DiLoCo on pipelines, or the
+    sync-family modes with 2D tp, refused where they compose."""
     with pytest.raises(ConfigError, match=re.escape(f"data_parallel.mode='local_sgd' with {field}")):
         load_config(None, ["--data_parallel.mode=local_sgd", *overrides])
     replicas = ["--parallel.data_parallel_replicate_degree=2", "--data_parallel.zero_stage=3"]
@@ -481,8 +483,8 @@ def test_local_modes_refuse_what_they_do_not_compose_with(overrides, field):
     tp2 = ["--parallel.tensor_parallel_degree=2"]  # ZeRO inside tp replicas: masters on (dp_shard_sp, tp)
     assert load_config(None, ["--data_parallel.mode=diloco", *replicas, *tp2]).data_parallel.zero_stage == 3
     grid = ["--parallel.tensor_parallel_degree=4", "--parallel.tp_mode=2d", "--model.dim=64", "--model.n_heads=4"]
-    with pytest.raises(ConfigError, match="with data_parallel.zero_stage=3 is not supported yet"):
-        load_config(None, ["--data_parallel.mode=diloco", *replicas, *grid])
+    for mode in ("local_sgd", "diloco", "streaming_diloco", "async"):  # ZeRO inside 2D replicas: masters on dp_shard_sp
+        assert load_config(None, [f"--data_parallel.mode={mode}", *replicas, *grid]).data_parallel.zero_stage == 3
     assert load_config(None, ["--data_parallel.mode=streaming_diloco", *replicas]).data_parallel.zero_stage == 3
     for layout in ([replicas[0]], replicas, ["--parallel.tensor_parallel_degree=2"]):  # async: replica 0 serves
         assert load_config(None, ["--data_parallel.mode=async", *layout]).data_parallel.mode == "async"
@@ -834,6 +836,13 @@ def local_tp2d_cases() -> dict:
         "local_sgd_2d": lambda: train_local_tp("local_sgd", GRID4),
         "diloco_h2_2d": lambda: train_local_tp("diloco", GRID4, 2, evaluate=True, finish=True),
         "streaming_h2_2d": lambda: train_local_tp("streaming_diloco", [*GRID4, *GRID_STREAMING], 2, True, True),
+        # 2 replicas of a 2×2 grid with ZeRO over a dp_shard group of one rank (GRID4_R2).
+        "local_sgd_r2_2d_zero1": lambda: train_local_tp("local_sgd", [*GRID4_R2, *zero(1)]),
+        "diloco_r2_2d_zero3": lambda: train_local_tp("diloco", [*GRID4_R2, *zero(3), "--data_parallel.outer_lr=1",
+                                                                "--data_parallel.outer_momentum=0"]),
+        "diloco_h2_r2_2d_zero1": lambda: train_local_tp("diloco", [*GRID4_R2, *zero(1)], 2, True, True),
+        "streaming_h2_r2_2d_zero1": lambda: train_local_tp("streaming_diloco", [*GRID4_R2, *GRID_STREAMING, *zero(1)],
+                                                           2, True, True),
     })  # fmt: skip
 
 
@@ -899,6 +908,30 @@ def test_local_modes_with_2d_tensor_parallel_replicas():
     assert_local_modes_with_2d_tp(
         spawn_once(local_tp2d_cases, 8, timeout_s=300), "sync_2d", "local_sgd_2d", "diloco_h2_2d"
     )
+
+
+@pytest.mark.slow  # 8 processes on 2 cores: shares the spawn of the 2D tests above (its 4 cases add ~6 s)
+def test_zero_with_2d_tensor_parallel_inside_replicas():
+    """Catches: ZeRO inside replicas of a 2×2 grid of 2D tp (``tp_mode="2d"``, 2 replicas over
+    ``dp_replicate``, a ``dp_shard`` group of one rank) whose masters are cut over the wrong ranks
+    (over ``dp_replicate`` as in HSDP: the replicas would average their gradients every step; over
+    all dp ranks: each replica would hold half the rows), or whose outer step sums over the grid
+    instead of ``dp_replicate`` (mixing different blocks; the latter two are refused at once by
+    the replicas' identity check). Local SGD (H = 1) with ZeRO-1 and DiLoCo (outer lr 1, no
+    momentum) with ZeRO-3 must equal synchronous 2D × dp 2 with SGD + momentum within 1e-5
+    relative; DiLoCo with ZeRO-1 at H = 2 (outer Nesterov, an evaluation inside
+    ``global_weights`` after each step, ending on a forced outer step) and streaming DiLoCo with
+    ZeRO-1 (the settings of the streaming test above) must equal the same runs without ZeRO
+    (each dp rank a replica of one grid) within 1e-5: H = 1 cannot tell a gradient averaged
+    across the replicas from an outer average of their parameters."""
+    got = spawn_once(local_tp2d_cases, 8, timeout_s=300)
+    for reference, name in (("sync_2d", "local_sgd_r2_2d_zero1"), ("sync_2d", "diloco_r2_2d_zero3"),
+                            ("diloco_h2_2d", "diloco_h2_r2_2d_zero1"),
+                            ("streaming_h2_2d", "streaming_h2_r2_2d_zero1")):  # fmt: skip
+        want, params = check_result(got, reference), check_result(got, name)
+        assert params.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(params[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
 
 
 def test_replicas_of_dp_shard_ranks_equal_one_rank_per_replica():
