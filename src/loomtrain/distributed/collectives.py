@@ -586,19 +586,29 @@ class HierarchicalHook(CommHook):
         padded = intra_reduce_scatter(bucket.buffer, plan, layout.intra)
         self.bytes_sent += reduce_scatter_bytes(wire_bytes, procs)
         start, end = plan.piece(local)
-        shard = padded[: end - start].div_(procs)
+        padded[: end - start].div_(procs)
+        return self._across_then_gather(bucket, plan, local, padded, layout.inter, layout.intra)
+
+    def _across_then_gather(self, bucket: GradBucket, plan: ShardPlan, local: int, padded: torch.Tensor,
+                            inter: dist.ProcessGroup, intra: dist.ProcessGroup) -> Pending:  # fmt: skip
+        """The two-level reduction's second half: piece ``local`` of ``plan`` (the first elements
+        of ``padded``, ``[plan.width]``) averaged over ``inter`` by ``inner`` (started now; the
+        same piece layout on every rank of ``inter``), then, in ``wait()``, every piece
+        all-gathered over ``intra`` into ``bucket.buffer``, which it returns."""
+        start, end = plan.piece(local)
+        shard = padded[: end - start]
         handle = None
-        if end > start:  # the same on every rank of the inter group (same bucket layout)
+        if end > start:
             piece = GradBucket(bucket.index, shard, [], [], [], matrices=plan.piece_matrices(local, shard))
-            handle = self._counted(lambda: self.inner.reduce(piece, layout.inter), crosses_hosts=True)
+            handle = self._counted(lambda: self.inner.reduce(piece, inter), crosses_hosts=True)
 
         def finish() -> torch.Tensor:
             if handle is not None:
                 reduced = self._counted(lambda: reduced_value(handle.wait()), crosses_hosts=True)
                 if reduced.data_ptr() != shard.data_ptr():
                     shard.copy_(reduced)
-            intra_all_gather(padded, plan, layout.intra, bucket.buffer)
-            self.bytes_sent += all_gather_bytes(wire_bytes, procs)
+            intra_all_gather(padded, plan, intra, bucket.buffer)
+            self.bytes_sent += all_gather_bytes(plan.parts * plan.width * bucket.buffer.element_size(), plan.parts)
             return bucket.buffer
 
         return Pending(None, finish)
@@ -695,22 +705,8 @@ class ReplicaSplitHook(HierarchicalHook):
         plan = self._plan(bucket, parts)
         start, end = plan.piece(local)
         padded = bucket.buffer.new_zeros(plan.width)
-        shard = padded[: end - start].copy_(bucket.buffer[start:end])
-        handle = None
-        if end > start:  # the same on every rank of the group (same buffer layout)
-            piece = GradBucket(bucket.index, shard, [], [], [], matrices=plan.piece_matrices(local, shard))
-            handle = self._counted(lambda: self.inner.reduce(piece, group), crosses_hosts=True)
-
-        def finish() -> torch.Tensor:
-            if handle is not None:
-                reduced = self._counted(lambda: reduced_value(handle.wait()), crosses_hosts=True)
-                if reduced.data_ptr() != shard.data_ptr():
-                    shard.copy_(reduced)
-            intra_all_gather(padded, plan, self.replica, bucket.buffer)
-            self.bytes_sent += all_gather_bytes(plan.parts * plan.width * bucket.buffer.element_size(), parts)
-            return bucket.buffer
-
-        return Pending(None, finish)
+        padded[: end - start] = bucket.buffer[start:end]
+        return self._across_then_gather(bucket, plan, local, padded, group, self.replica)
 
 
 # All-reduce sizes (bytes) that ``auto`` times both ways at set-up: where latency, scheduling
