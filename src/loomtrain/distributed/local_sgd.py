@@ -10,6 +10,12 @@ an outer step (:meth:`OuterSync.outer_step`) brings the replicas back together::
     diloco:     θ_global ← OuterOpt(θ_global, Δ)   (SGD with Nesterov momentum)
     every replica: θ_local ← θ_global
 
+The mean is taken by a communication hook (:func:`outer_reducer`, the gradients' ``CommHook``
+seam): a flat all-reduce; hierarchical over hosts (``data_parallel.comm_hook``, the multi-host
+issue's hooks); split over the ranks of a replica of several plain-DP ranks
+(:class:`~loomtrain.distributed.collectives.ReplicaSplitHook`); bf16/int8 payloads
+(:class:`OuterPayloadHook`) inside any of them.
+
 Local SGD: Stich, "Local SGD Converges Fast and Communicates Little" (ICLR 2019), periodic
 model averaging. DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of
 Language Models" (arXiv:2311.08105, 2023), Algorithm 1 (the outer gradient is the averaged
