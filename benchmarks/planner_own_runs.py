@@ -80,16 +80,20 @@ def layout_of(world: int, overrides: dict, vocab_size: int):
     return from_model_config(cfg.model, "own-run"), layout
 
 
-def run_step_seconds(world: int, overrides: dict, out_dir: str, name: str) -> tuple[float, str]:
-    """Median seconds per step of a real ``loomtrain train`` run, steps ``WARMUP``..``STEPS - 1``,
-    and what it printed."""
-    args = [f"--{k}={v}" for k, v in {**base_overrides(), **overrides}.items() if v is not None]
-    cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", str(CONFIG), "--nproc", str(world),
+def run_step_seconds(world: int, overrides: dict, out_dir: str, name: str, where: list[str] | None = None,
+                     env: dict[str, str] | None = None, steps: int = STEPS,
+                     warmup: int = WARMUP) -> tuple[float, str]:  # fmt: skip
+    """Median seconds per step of a real ``loomtrain train`` run, steps ``warmup``..``steps - 1``,
+    and what it printed. ``where``: the launcher's placement arguments (default ``--nproc world``;
+    e.g. ``--cluster NAME``); ``env``: variables added to the run's environment."""
+    args = [f"--{k}={v}" for k, v in {**base_overrides(steps), **overrides}.items() if v is not None]
+    cmd = [sys.executable, "-m", "loomtrain.cli", "train", "--config", str(CONFIG), *(where or ["--nproc", str(world)]),
            "--overwrite", f"--run.out_dir={out_dir}", f"--run.name={name}", *args]  # fmt: skip
-    done = subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True)  # fmt: skip
     records = [json.loads(line) for line in (Path(out_dir) / name / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in records if "time" in r}
-    return statistics.median(times[s] - times[s - 1] for s in range(WARMUP + 1, STEPS)), done.stdout
+    return statistics.median(times[s] - times[s - 1] for s in range(warmup + 1, steps)), done.stdout
 
 
 def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
