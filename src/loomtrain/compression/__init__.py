@@ -16,7 +16,7 @@ from loomtrain.compression.powersgd import PowerSGDHook
 from loomtrain.compression.quantize import CastHook, Int8Hook, SignHook
 from loomtrain.compression.topk import TopKHook
 from loomtrain.config import CompressionConfig
-from loomtrain.distributed.collectives import AutoHook, HierarchicalHook
+from loomtrain.distributed.collectives import host_hook
 from loomtrain.distributed.data_parallel import AllReduceHook, CommHook
 from loomtrain.distributed.mixed_precision import DTYPES
 from loomtrain.distributed.topology import Topology
@@ -44,12 +44,7 @@ def build_comm_hook(cfg: CompressionConfig, comm_hook: str = "allreduce", topolo
     Raises:
         ValueError: ``"hierarchical"`` or ``"auto"`` without a topology.
     """
-    inner = _compressor(cfg)
-    if comm_hook == "allreduce":
-        return inner
-    if topology is None:
-        raise ValueError(f"data_parallel.comm_hook={comm_hook!r} needs the job's topology (discover_topology())")
-    return {"hierarchical": HierarchicalHook, "auto": AutoHook}[comm_hook](topology, inner)
+    return host_hook(comm_hook, topology, _compressor(cfg))
 
 
 def _compressor(cfg: CompressionConfig) -> CommHook:

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loomtrain.checkpoint import StateDictSharding, load_param_state, read_rank_state
+from loomtrain.checkpoint import StateDictSharding, read_rank_state
 from loomtrain.config import DataParallelConfig
 from loomtrain.data import DistributedBatchLoader, eval_batches
 from loomtrain.distributed.data_parallel import CommHook
@@ -81,6 +81,7 @@ from loomtrain.distributed.local_sgd import (
     check_identical,
     flatten,
     holding,
+    load_flat_param_state,
     portable_state,
     replicas_sync_inside,
     trainable,
@@ -890,15 +891,14 @@ def load_server_tensors(
         RuntimeError: (DCP) an entry lacks a parameter of ``model`` (another model).
     """
     optimizer = server["outer_optimizer"]["state"].get(0, {})
-    named = trainable(model)
+    like = outer.global_flat if serving else None
     tensors = {}
     for key in (k for k, v in optimizer.items() if isinstance(v, torch.Tensor)):
-        template = by_param(torch.zeros_like(outer.global_flat), named) if serving else {}
-        loaded = load_param_state(checkpoint, SERVER_ENTRIES[key], template, sharding)
+        loaded = load_flat_param_state(checkpoint, SERVER_ENTRIES[key], like, model, sharding)
         if loaded is None:  # the same on every rank: all read the one metadata file
             return None
         if serving:
-            tensors[key] = flatten(list(loaded.values()))
+            tensors[key] = loaded
     return tensors
 
 

@@ -848,6 +848,21 @@ class AutoHook(HierarchicalHook):
         return path
 
 
+def host_hook(comm_hook: str, topology: Topology | None, inner: CommHook) -> CommHook:
+    """``inner`` as ``data_parallel.comm_hook`` asks: itself (``"allreduce"``: flat), inside a
+    :class:`HierarchicalHook` (``"hierarchical"``) or an :class:`AutoHook` (``"auto"``), which
+    read ``topology`` (the job's). The hook is not set up (:meth:`CommHook.setup`).
+
+    Raises:
+        ValueError: ``"hierarchical"`` or ``"auto"`` without a topology.
+    """
+    if comm_hook == "allreduce":
+        return inner
+    if topology is None:
+        raise ValueError(f"data_parallel.comm_hook={comm_hook!r} needs the job's topology (discover_topology())")
+    return {HIERARCHICAL: HierarchicalHook, "auto": AutoHook}[comm_hook](topology, inner)
+
+
 def reduced_value(reduced: Any) -> Any:
     """A future's value (a one-element list of the tensor) or a handle's result, unwrapped."""
     return reduced[0] if isinstance(reduced, list) else reduced

@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from loomtrain.checkpoint import StateDictSharding, load_param_state, read_rank_state
 from loomtrain.compression.quantize import dequantize_int8, quantize_int8
 from loomtrain.config import DataParallelConfig
-from loomtrain.distributed.collectives import AutoHook, HierarchicalHook, ReplicaSplitHook, reduced_value
+from loomtrain.distributed.collectives import ReplicaSplitHook, host_hook, reduced_value
 from loomtrain.distributed.data_parallel import AllReduceHook, CommHook, GradBucket, Pending
 from loomtrain.distributed.local_step import placed_like
 from loomtrain.distributed.parallel_dims import Axis, ParallelDims
@@ -414,6 +414,25 @@ def outer_param_state(outer: Any, model: nn.Module) -> dict[str, dict[str, torch
     return {} if momentum is None else {OUTER_MOMENTUM: by_param(momentum, trainable(model))}
 
 
+def load_flat_param_state(checkpoint: Path, entry: str, like: torch.Tensor | None, model: nn.Module,
+                          sharding: StateDictSharding | None) -> torch.Tensor | None:  # fmt: skip
+    """``entry`` of ``checkpoint``'s ``param_state`` (saved by :func:`by_param`), resharded to
+    what this rank holds of ``model``'s trainable parameters and flattened like ``like`` (a 1-D
+    fp32 tensor laid out as :func:`flatten` lays them out: θ_global); ``like`` ``None``: this
+    rank asks for nothing but joins the collective load, and gets an empty tensor. ``None``
+    where the checkpoint holds no such entry (written before it existed). A collective
+    (:func:`~loomtrain.checkpoint.load_param_state`).
+
+    Raises:
+        RuntimeError: (DCP) the entry lacks a parameter of ``model`` (another model).
+    """
+    template = {} if like is None else by_param(torch.zeros_like(like), trainable(model))
+    loaded = load_param_state(checkpoint, entry, template, sharding)
+    if loaded is None:
+        return None
+    return torch.empty(0) if like is None else flatten(list(loaded.values()))
+
+
 def resume_at_another_layout(outer: OuterSync, checkpoint: Path, saved_layout: dict[str, int],
                              layout: dict[str, int], model: nn.Module,
                              sharding: StateDictSharding | None = None) -> None:  # fmt: skip
@@ -446,14 +465,13 @@ def resume_at_another_layout(outer: OuterSync, checkpoint: Path, saved_layout: d
         return
     if outer.outer_optimizer is None:  # local SGD: no outer state to reshard
         return
-    template = by_param(torch.zeros_like(outer.global_flat), trainable(model))
-    momentum = load_param_state(checkpoint, OUTER_MOMENTUM, template, sharding)
+    momentum = load_flat_param_state(checkpoint, OUTER_MOMENTUM, outer.global_flat, model, sharding)
     if momentum is None:
         if saved["outer_optimizer"]["state"]:
             log.warning("checkpoint %s holds no %s entry (written before it existed): %s's outer momentum "
                         "restarts at zero", checkpoint, OUTER_MOMENTUM, outer.mode)  # fmt: skip
         return
-    outer.adopt_outer_state(saved, flatten(list(momentum.values())))
+    outer.adopt_outer_state(saved, momentum)
     log.info("%s at another layout: the outer momentum (outer step %d) kept, resharded", outer.mode,
              saved["outer_steps"])  # fmt: skip
 
@@ -863,7 +881,6 @@ def build_outer_sync(cfg: DataParallelConfig, model: nn.Module, inner_optimizer:
 
         return AsyncOuter([p for p in model.parameters() if p.requires_grad], inner_optimizer, cfg, group, hook,
                           written)  # fmt: skip
-    reducer = reducer if reducer is not None else payload_hook(cfg.outer_grad_dtype)
     if cfg.mode == "diloco" and cfg.outer_grad_dtype != "fp32":
         # DiLoCo is streaming DiLoCo with one fragment and no overlap (tested equal in fp32), so its
         # quantized outer gradients take that path (Streaming DiLoCo §2.5 quantizes them; the
@@ -917,11 +934,9 @@ def outer_reducer(cfg: DataParallelConfig, dims: ParallelDims, topology: Topolog
     replica = outer_shard_group(cfg, dims)
     if replica is not None:
         return ReplicaSplitHook(replica, inner)
-    if replicas_sync_inside(cfg, dims) or cfg.comm_hook == "allreduce":
+    if replicas_sync_inside(cfg, dims):
         return inner
-    if topology is None:
-        raise ValueError(f"data_parallel.comm_hook={cfg.comm_hook!r} needs the job's topology (discover_topology())")
-    hook = {"hierarchical": HierarchicalHook, "auto": AutoHook}[cfg.comm_hook](topology, inner)
+    hook = host_hook(cfg.comm_hook, topology, inner)
     hook.setup(dims.axis_groups(Axis.DP_SP))  # the outer groups of one-rank replicas (outer_group)
     return hook
 
