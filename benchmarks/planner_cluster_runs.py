@@ -33,7 +33,7 @@ from loomtrain.cluster.emulated import ClusterSpec, emulated_cluster, missing_re
 from loomtrain.config import load_config, toml_value
 from loomtrain.distributed.topology import Topology
 from loomtrain.planner.auto import choose_layout, describe, vocab_size
-from loomtrain.planner.calibrate import DISTURBED_MARK, calibrate
+from loomtrain.planner.calibrate import DISTURBED_MARK, calibrate, write_spec
 from loomtrain.planner.cluster import load_cluster_spec
 from loomtrain.planner.time import Cluster, step_time
 
@@ -102,14 +102,14 @@ def _pairs(table: dict) -> list[str]:
     return [f"{k} = {toml_value(v)}" for k, v in table.items() if not _tables(v)]
 
 
-def write_spec(local_text: str, run_dir: Path) -> Cluster:
-    """Write :data:`SPEC` from the calibrated ``local_text`` and ``run_dir``'s probed inter-host
-    latency; the time model's cluster of it."""
+def save_spec(local_text: str, run_dir: Path) -> Cluster:
+    """Write :data:`SPEC` (atomically, as calibrated specs are written) from the calibrated
+    ``local_text`` and ``run_dir``'s probed inter-host latency; the time model's cluster of it."""
     latency = Topology.load(run_dir / "topology.json").inter_host_latency()
     spec = emulated_spec(tomllib.loads(local_text), latency)
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     disturbed = [local_text.splitlines()[0][2:]] if local_text.startswith(DISTURBED_MARK) else []
-    SPEC.write_text(toml_text(spec, [f"Written by benchmarks/planner_cluster_runs.py on {when}.", *disturbed]))
+    write_spec(SPEC, toml_text(spec, [f"Written by benchmarks/planner_cluster_runs.py on {when}.", *disturbed]))
     return load_cluster_spec(str(SPEC)).to_cluster()
 
 
@@ -138,7 +138,7 @@ def measure(steps: int, rounds: int, out_dir: str, local_text: str) -> tuple[dic
                 seconds, printed = run_step_seconds(HOSTS * PROCS, overrides, out_dir, name, where, env, steps,
                                                     min(WARMUP, steps - 2))  # fmt: skip
                 measured[name].append(seconds)
-                cluster = cluster or write_spec(local_text, Path(out_dir) / name)
+                cluster = cluster or save_spec(local_text, Path(out_dir) / name)
                 lines = [auto_line(printed, "chosen"), auto_line(printed, "runner-up")] if name == "auto" else lines
                 print(f"round {r} {name}: {seconds:.3f} s", flush=True)
     return measured, cluster, lines
