@@ -15,7 +15,7 @@ from loomtrain.models.flops import flops_per_step as model_flops_per_step
 from loomtrain.models.flops import flops_per_token
 from loomtrain.models.presets import preset_config
 from loomtrain.planner.arch import from_model_config, gpt
-from loomtrain.planner.cost import TILE_M, TILE_N, block_forward_flops
+from loomtrain.planner.cost import TILE_M, TILE_N, block_forward_flops, head_times
 from loomtrain.planner.memory import MIXED_ADAM, Layout, device_params
 from loomtrain.planner.published import MEGATRON_TABLE1, layout_of
 from loomtrain.planner.time import (
@@ -24,6 +24,8 @@ from loomtrain.planner.time import (
     flops_per_step,
     gemm_seconds,
     layer_seconds,
+    loss_seconds,
+    micro_batch_seconds,
     ring_all_reduce_seconds,
     step_time,
     tp_all_reduce_seconds,
@@ -111,6 +113,28 @@ def test_vocabulary_parallel_embedding_and_loss_all_reduces_are_priced():
     whole = vocab_parallel_seconds(GPT_18B, _layout(pp=1, dp=16), DGX_A100)
     assert whole == pytest.approx((forward + activation, backward))
     assert vocab_parallel_seconds(GPT_18B, _layout(tp=1, dp=32), DGX_A100) == (0.0, 0.0)
+
+
+def test_the_cross_entropy_streams_the_logits_on_the_last_stage_only():
+    """Catches: the loss kernels left out (Megatron-LM's fp32 cross-entropy of 1.7B's 16 × 2048 ×
+    51,200 logits per micro-batch moves 87 GB, 43 ms at 2,039 GB/s; Llama 3's 128K vocabulary makes
+    it larger) or priced on a stage without the head: the last stage's micro-batch takes exactly the
+    loss's seconds more than the same stage without it, and they scale with b·s·V/t."""
+    arch, layout = gpt(24, 2304, 24), _layout(micro_batch=16, dp=32, tp=1, pp=1, n_micro=1)
+    forward, backward = loss_seconds(arch, layout, DGX_A100)
+    logits = 16 * 2048 * 51200
+    assert forward + backward == pytest.approx(logits * 52 / DGX_A100.device.memory_bytes_per_s)
+    halved = loss_seconds(arch, replace(layout, tp=2), DGX_A100)
+    assert halved == pytest.approx((forward / 2, backward / 2))
+    twice = replace(arch, vocab_size=2 * 51200)  # the head's GEMMs and the loss double, nothing else moves
+    head = head_times(arch, 2048, 16, DGX_A100.compute_device, 1, True)
+    grown = [t - u for t, u in zip(micro_batch_seconds(twice, layout, DGX_A100)[:2],
+                                   micro_batch_seconds(arch, layout, DGX_A100)[:2], strict=True)]  # fmt: skip
+    assert grown == pytest.approx([head.forward + forward, head.backward + backward], rel=0.02)
+    llama = from_model_config(preset_config("llama3-8b"))
+    bf16 = replace(layout, precision=replace(MIXED_ADAM, activation_bytes=2))
+    assert sum(loss_seconds(llama, bf16, DGX_A100)) > sum(loss_seconds(llama, replace(bf16, precision=replace(
+        MIXED_ADAM, activation_bytes=4)), DGX_A100))  # fmt: skip
 
 
 def test_pipeline_time_is_m_plus_p_minus_1_micro_batches_under_1f1b():

@@ -357,6 +357,37 @@ def vocab_parallel_seconds(arch: Architecture, layout: Layout, cluster: Cluster)
     return loss + (activation if layout.pp == 1 else 0.0), activation
 
 
+def loss_bytes_per_logit(arch: Architecture, layout: Layout) -> tuple[int, int]:
+    """``(forward, backward)`` memory bytes the cross-entropy moves per logit on one rank, each kernel
+    reading its inputs and writing its output once, in float32 as both implementations compute it.
+
+    ``gpt`` (Megatron-LM 2021: ``output.float()``, then ``vocab_parallel_cross_entropy``, also at
+    ``t = 1``): forward the fp32 copy (2 + 4), the row maximum (4), ``sub_`` (8), ``exp`` (8), the row
+    sum (4) and ``div_`` to the saved softmax (8); backward the ``mul_`` by the output gradient (8)
+    and the cast back (4 + 2). ``llama`` (loomtrain, ``distributed/parallel_model.py``): the fp32 copy
+    of 16-bit logits (``2 + 4`` each way, none for fp32); with ``tp = 1`` ``F.cross_entropy``:
+    ``log_softmax`` (8) forward, the zero-filled gradient (4) and ``log_softmax``'s backward (12);
+    with ``tp > 1`` ``vocab_parallel_cross_entropy``: maximum (4), shift (8), ``exp`` (8), sum (4),
+    ``div_`` (8) forward, the scaled softmax (8) backward."""
+    if arch.family == "gpt":
+        return 38, 14
+    cast = 6 if layout.precision.activation_bytes < 4 else 0
+    forward, backward = (8, 16) if layout.tp == 1 else (32, 8)
+    return forward + cast, backward + cast
+
+
+def loss_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one micro-batch's cross-entropy on the last stage: the
+    ``b·(s/sp)·V/t`` logits of a rank streamed through :func:`loss_bytes_per_logit`'s kernels at the
+    memory rate of one fp32 logit tensor (:meth:`~loomtrain.planner.cost.Device.memory_rate`). For
+    GPT at 1.7B, micro-batch 16, that is 87 GB, 1.5 % of the step; for Llama 3's 128K vocabulary it
+    grows with ``V/h``."""
+    logits = layout.micro_batch * layout.seq_len / layout.sp * arch.vocab_size / layout.tp
+    rate = cluster.device.memory_rate(4 * logits)
+    forward, backward = loss_bytes_per_logit(arch, layout)
+    return logits * forward / rate, logits * backward / rate
+
+
 def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     """One stage-to-stage send of a micro-batch's ``b·s·h`` activation (or its gradient), each of the
     ``tp`` ranks sending ``1/t`` of it over its own link (Narayanan et al. §4.1); 0 without ``pp``.
@@ -444,9 +475,10 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
     send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
     gather_f, gather_b = zero3_seconds(arch, layout, cluster)
     vocab_f, vocab_b = vocab_parallel_seconds(arch, layout, cluster)
+    loss_f, loss_b = loss_seconds(arch, layout, cluster)
     hide = max if cluster.comm_overlap else operator.add  # unhidden: one after the other
-    forward = hide(layers * layer_f + head.forward + vocab_f, gather_f) + send
-    backward = hide(layers * layer_b + head.backward + vocab_b, gather_b) + send
+    forward = hide(layers * layer_f + head.forward + loss_f + vocab_f, gather_f) + send
+    backward = hide(layers * layer_b + head.backward + loss_b + vocab_b, gather_b) + send
     return forward, backward, layers * layer_tp + vocab_f + vocab_b, 2 * send
 
 
