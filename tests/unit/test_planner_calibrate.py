@@ -57,10 +57,10 @@ def test_spec_devices_and_group_links_reach_the_time_model():
     cluster = spec().to_cluster()
     assert cluster.device.name == "box" and cluster.device.element_bytes == 4 and cluster.gpus == 4
     assert cluster.device.memory_bytes == 8 * 2**30
-    assert cluster.link(False, 2) == (2e9, 50e-6) and cluster.link(False, 4) == (1e9, 120e-6)
-    assert cluster.link(False, 3) == (2e9, 50e-6), "a group of 3 takes the largest measured size below it"
-    assert cluster.link(True, 2) == (1e9, 100e-6), "across hosts the network serves every group"
-    assert DGX_A100.link(False, 8) == (300e9 * 0.8, 5e-6), "specs without group figures are unchanged"
+    assert cluster.link(0, 2) == (2e9, 50e-6) and cluster.link(0, 4) == (1e9, 120e-6)
+    assert cluster.link(0, 3) == (2e9, 50e-6), "a group of 3 takes the largest measured size below it"
+    assert cluster.link(1, 2) == (1e9, 100e-6), "across hosts the network serves every group"
+    assert DGX_A100.link(0, 8) == (300e9 * 0.8, 5e-6), "specs without group figures are unchanged"
 
 
 def test_collectives_add_to_the_step_where_they_cannot_hide():
@@ -144,7 +144,7 @@ def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monke
     cluster = local_spec(2).to_cluster()
     assert (path.stat().st_mtime_ns, path.read_text()) == before
     assert cluster.gpus == 2 and [g[0] for g in cluster.group_links] == [2]
-    busbw, latency = cluster.link(False, 2)
+    busbw, latency = cluster.link(0, 2)
     assert busbw > 1e6 and 0 < latency < 0.1
     curve = cluster.device.gemm_curve
     assert len(curve) >= 5 and all(rate > 1e8 for _, rate in curve)
@@ -166,7 +166,7 @@ def test_a_one_rank_spec_has_no_group_figures_and_loads():
     cluster = parse_cluster_spec(tomllib.loads(spec_toml(measured, 1)), where="one").to_cluster()
     assert cluster.gpus == 1 and cluster.group_links == () and cluster.device.gemm_rate(1e9) == pytest.approx(5e10)
     two = {**measured, "collectives": {2: (1e9, 1e-4)}}
-    assert parse_cluster_spec(tomllib.loads(spec_toml(two, 2)), where="two").to_cluster().link(False, 2) == (1e9, 1e-4)
+    assert parse_cluster_spec(tomllib.loads(spec_toml(two, 2)), where="two").to_cluster().link(0, 2) == (1e9, 1e-4)
 
 
 def test_a_disturbed_calibration_is_marked_and_not_cached(tmp_path, monkeypatch):
@@ -268,15 +268,13 @@ def test_collective_curves_price_each_op_between_and_beyond_their_sizes():
     assert curve_seconds(points, 1024) == 1e-3 and curve_seconds(points, 65536 + 491520) == pytest.approx(2e-3)
     assert curve_seconds(points, 1048576 + 983040) == pytest.approx(5e-3)
     cluster = spec(collectives=_curves(all_reduce=(1000, 3000), all_to_all=(400, 900))).to_cluster()
-    assert cluster.collective_seconds("all_reduce", 1048576, 2, False) == pytest.approx(3e-3)
-    assert cluster.collective_seconds("all_reduce", 1048576, 4, False) == pytest.approx(3e-3)  # largest measured <= 4
-    ring = ring_all_reduce_seconds(1048576, 2, *cluster.link(True, 2))
-    assert cluster.collective_seconds("all_reduce", 1048576, 2, True) == pytest.approx(
-        ring
-    )  # across hosts: the network
-    gather = ring_gather_seconds(1048576, 2, *cluster.link(False, 2))
-    assert cluster.collective_seconds("all_gather", 1048576, 2, False) == pytest.approx(gather)  # no curve: the ring
-    assert cluster.collective_seconds("all_reduce", 1048576, 1, False) == 0.0
+    assert cluster.collective_seconds("all_reduce", 1048576, 2, 0) == pytest.approx(3e-3)
+    assert cluster.collective_seconds("all_reduce", 1048576, 4, 0) == pytest.approx(3e-3)  # largest measured <= 4
+    ring = ring_all_reduce_seconds(1048576, 2, *cluster.link(1, 2))
+    assert cluster.collective_seconds("all_reduce", 1048576, 2, 1) == pytest.approx(ring)  # across hosts: the network
+    gather = ring_gather_seconds(1048576, 2, *cluster.link(0, 2))
+    assert cluster.collective_seconds("all_gather", 1048576, 2, 0) == pytest.approx(gather)  # no curve: the ring
+    assert cluster.collective_seconds("all_reduce", 1048576, 1, 0) == 0.0
 
 
 def test_zero_and_ulysses_are_priced_from_the_collectives_they_run():

@@ -18,6 +18,7 @@ from loomtrain.planner.time import DGX_A100, DGX_H100, step_time
 
 HOST = {"count": 2, "devices_per_host": 8, "device": "a100", "intra_gb_per_s": 300, "intra_latency_us": 5}
 NETWORK = {"inter_gb_per_s": 25, "inter_latency_us": 10, "link_efficiency": 0.8}
+SHARED_NETWORK = {"host_gb_per_s": 25, "inter_latency_us": 10, "link_efficiency": 0.8}
 
 
 @pytest.mark.parametrize(("name", "reference"), [("dgx-a100", DGX_A100), ("dgx_h100", DGX_H100)])
@@ -39,13 +40,33 @@ def test_shipped_specs_are_the_clusters_the_model_was_checked_with(name, referen
         ({"hosts": [{**HOST, "intra_gb_per_s": "fast"}], "network": NETWORK}, r"hosts\[0\].intra_gb_per_s='fast'"),
         ({"hosts": [HOST], "network": {**NETWORK, "link_efficiency": 1.5}}, r"spec.network.link_efficiency=1.5"),
         ({"hosts": [{**HOST, "gpus": 8}], "network": NETWORK}, r"spec.hosts\[0\]: unknown field\(s\) gpus"),
+        (
+            {"hosts": [HOST], "network": {**NETWORK, "host_gb_per_s": 25}},
+            r"spec.network: give exactly one of inter_gb_per_s .* and host_gb_per_s .*; found both",
+        ),
+        (
+            {"hosts": [HOST], "network": {"inter_latency_us": 10, "link_efficiency": 0.8}},
+            r"spec.network: give exactly one of inter_gb_per_s .* and host_gb_per_s .*; found neither",
+        ),
+        ({"hosts": [HOST], "network": {**SHARED_NETWORK, "host_gb_per_s": 0}}, r"spec.network.host_gb_per_s=0: give"),
     ],
 )
 def test_bad_specs_name_the_field(doc, message):
-    """Catches: a malformed spec accepted (a string bandwidth, an efficiency above 1, a typo'd key) or an
-    error that does not say which field of which host table to fix."""
+    """Catches: a malformed spec accepted (a string bandwidth, an efficiency above 1, a typo'd key, both or
+    neither of the per-device and per-host network rates) or an error that does not say which field of
+    which host table to fix."""
     with pytest.raises(ClusterSpecError, match=message):
         parse_cluster_spec(doc, where="spec")
+
+
+def test_host_gb_per_s_is_one_link_per_host_shared_by_its_devices():
+    """Catches: `[network] host_gb_per_s` read as a rate per device (or refused), or `inter_gb_per_s`
+    specs no longer read as a network card per device: the same figure must give the same bytes/s,
+    shared by the host's ranks in the first case only."""
+    shared = parse_cluster_spec({"hosts": [HOST], "network": SHARED_NETWORK}).to_cluster()
+    per_device = parse_cluster_spec({"hosts": [HOST], "network": NETWORK}).to_cluster()
+    assert shared == replace(per_device, inter_shared_by_host=True) and shared.inter_bytes_per_s == 25e9
+    assert not per_device.inter_shared_by_host
 
 
 def test_heterogeneous_cluster_is_priced_by_its_slowest_and_smallest_parts():

@@ -21,11 +21,13 @@ from loomtrain.planner.published import MEGATRON_TABLE1, layout_of
 from loomtrain.planner.time import (
     DGX_A100,
     all_to_all_seconds,
+    dp_all_reduce_seconds,
     flops_per_step,
     gemm_seconds,
     layer_seconds,
     loss_seconds,
     micro_batch_seconds,
+    p2p_seconds,
     ring_all_reduce_seconds,
     step_time,
     tp_all_reduce_seconds,
@@ -217,6 +219,55 @@ def test_ulysses_all_to_all_moves_sp_minus_1_over_sp_of_qkv_and_output():
     expected = 3 / 4 * 2048 / 4 * 4 * GPT_18B.hidden * 2 / (DGX_A100.intra_bytes_per_s * DGX_A100.link_efficiency)
     assert all_to_all_seconds(GPT_18B, layout, DGX_A100) == pytest.approx(expected + 12 * DGX_A100.intra_latency_s)
     assert all_to_all_seconds(GPT_18B, replace(layout, sp=1), DGX_A100) == 0.0
+
+
+# 2 hosts × 2 devices whose network is 1 GB/s each way: per device, or one link per host (shared).
+PER_DEVICE_2X2 = replace(DGX_A100, hosts=2, devices_per_host=2, inter_bytes_per_s=1e9)
+SHARED_2X2 = replace(PER_DEVICE_2X2, inter_shared_by_host=True)
+LATENCY = DGX_A100.inter_latency_s
+
+
+def _crossings(cluster) -> dict[str, float]:
+    """Seconds of the collectives that cross the 2 × 2 cluster's hosts: dp all-reduces of 1e6
+    16-bit gradients over 4 consecutive ranks (stride 1) and over 2 ranks 2 apart (tp 2 × dp 2), a
+    stage send of tp 2 × pp 2 and of pp 4, Ulysses' all-to-alls of sp 4."""
+    return {
+        "dp4": dp_all_reduce_seconds(GPT_18B, _layout(dp=4, tp=1, pp=1), cluster, 1e6),
+        "tp2_dp2": dp_all_reduce_seconds(GPT_18B, _layout(dp=2, tp=2, pp=1), cluster, 1e6),
+        "tp2_pp2": p2p_seconds(GPT_18B, _layout(dp=1, tp=2, pp=2), cluster),
+        "pp4": p2p_seconds(GPT_18B, _layout(dp=1, tp=1, pp=4), cluster),
+        "sp4": all_to_all_seconds(GPT_18B, _layout(dp=1, tp=1, pp=1, sp=4), cluster),
+    }
+
+
+def _hand_crossings(rates: dict[str, float]) -> dict[str, float]:
+    """The same by hand, at ``rates[name]`` bytes/s per rank before ``link_efficiency``."""
+    rate = {name: r * DGX_A100.link_efficiency for name, r in rates.items()}
+    activation = 2048 * GPT_18B.hidden * 2  # b · s · h 16-bit activations
+    return {
+        "dp4": 2 * 3 / 4 * 2e6 / rate["dp4"] + 6 * LATENCY,
+        "tp2_dp2": 2 * 1 / 2 * 2e6 / rate["tp2_dp2"] + 2 * LATENCY,
+        "tp2_pp2": activation / 2 / rate["tp2_pp2"] + LATENCY,
+        "pp4": activation / rate["pp4"] + LATENCY,
+        "sp4": 4 * (3 / 4 * activation / 4 / rate["sp4"] + 3 * LATENCY),  # q, k, v, output; kv = hidden
+    }
+
+
+def test_a_shared_host_link_is_split_among_the_host_ranks_crossing_it_at_once():
+    """Catches: a host's one link (an emulated cluster's veth, `host_gb_per_s`) priced as a card per
+    rank, or halved for every crossing: a ring over 4 consecutive ranks (dp 4) and pp 4's stage send
+    cross it with one stream each way and get the whole 1 GB/s; tp 2 × dp 2's two dp pairs (stride 2)
+    and tp 2 × pp 2's two tp ranks' sends cross at once and get half each; Ulysses' all-to-all sends
+    from both of a host's ranks, half each (the 2 × error the emulated-cluster runs measured)."""
+    half = {"dp4": 1e9, "tp2_dp2": 0.5e9, "tp2_pp2": 0.5e9, "pp4": 1e9, "sp4": 0.5e9}
+    assert _crossings(SHARED_2X2) == pytest.approx(_hand_crossings(half), rel=1e-12)
+
+
+def test_a_network_card_per_device_gives_every_crossing_the_whole_rate():
+    """Catches: the shared-link split leaking into per-device specs (`inter_gb_per_s`, every DGX
+    figure): each rank has its own 1 GB/s whatever the other ranks of its host send, as before."""
+    crossings = _crossings(PER_DEVICE_2X2)
+    assert crossings == pytest.approx(_hand_crossings(dict.fromkeys(crossings, 1e9)), rel=1e-12)
 
 
 @pytest.mark.parametrize("run", MEGATRON_TABLE1, ids=lambda r: f"{r.params_b}B")

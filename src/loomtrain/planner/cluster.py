@@ -21,6 +21,12 @@ and their sources. Format::
     inter_latency_us = 10
     link_efficiency = 0.8      # busbw a large collective reaches over the link bandwidth
 
+A host with one network link shared by its devices (an emulated cluster's shaped veth) gives that
+link's rate instead of ``inter_gb_per_s`` (exactly one of the two)::
+
+    [network]
+    host_gb_per_s = 0.0125     # the host's link, GB/s per direction: ranks crossing it at once share it
+
 A spec may describe devices the table lacks (a calibrated machine: ``loomtrain plan --calibrate``,
 ``planner/calibrate.py``) in ``[[devices]]`` tables that its hosts then name, and give a host's
 collective figures by group size::
@@ -73,7 +79,8 @@ _HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_
 _CURVE_FIELDS = {"op", "group_size", "bytes", "microseconds"}
 _DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve",
                   "memory_curve", "source"}  # fmt: skip
-_NETWORK_FIELDS = {"inter_gb_per_s", "inter_latency_us", "link_efficiency"}
+_RATE_FIELDS = ("inter_gb_per_s", "host_gb_per_s")  # exactly one: per device, or per host and shared
+_NETWORK_FIELDS = {*_RATE_FIELDS, "inter_latency_us", "link_efficiency"}
 _TOP_FIELDS = {"name", "source", "hosts", "network", "devices"}
 
 
@@ -118,8 +125,11 @@ class ClusterSpec:
     Attributes:
         name, source: label and where the figures come from.
         hosts: the host groups (one for a homogeneous cluster).
-        inter_bytes_per_s, inter_latency_s: the network between hosts, per GPU and direction.
+        inter_bytes_per_s, inter_latency_s: the network between hosts, bytes/s per GPU and direction
+            (per host and direction with ``inter_shared_by_host``) and seconds per ring step or send.
         link_efficiency: busbw over link bandwidth for a large collective.
+        inter_shared_by_host: each host has one network link shared by its devices
+            (:attr:`~loomtrain.planner.time.Cluster.inter_shared_by_host`).
     """
 
     name: str
@@ -128,6 +138,7 @@ class ClusterSpec:
     inter_bytes_per_s: float
     inter_latency_s: float
     link_efficiency: float
+    inter_shared_by_host: bool = False
 
     @property
     def gpus(self) -> int:
@@ -162,6 +173,7 @@ class ClusterSpec:
             comm_overlap=all(g.comm_overlap for g in self.hosts),
             collective_curves=_slowest_curves(self.hosts),
             core_share=max(g.core_share for g in self.hosts),  # the least idle time given to neighbours
+            inter_shared_by_host=self.inter_shared_by_host,
         )
 
 
@@ -358,12 +370,27 @@ def _flag(where: str, table: dict[str, Any], field: str, default: bool) -> bool:
     return value
 
 
+def _network_rate(where: str, network: dict[str, Any]) -> tuple[float, bool]:
+    """``(bytes/s, shared by the host's devices)`` of ``[network]``'s one rate field.
+
+    Raises:
+        ClusterSpecError: both or neither of ``inter_gb_per_s`` and ``host_gb_per_s``, or not positive.
+    """
+    given = [f for f in _RATE_FIELDS if f in network]
+    if len(given) != 1:
+        raise ClusterSpecError(f"{where}: give exactly one of inter_gb_per_s (per device: a network card each) "
+                               "and host_gb_per_s (per host: one link its devices share); "
+                               f"found {'both' if given else 'neither'}")  # fmt: skip
+    return _number(where, network, given[0], 0) * 1e9, given[0] == "host_gb_per_s"
+
+
 def parse_cluster_spec(doc: dict[str, Any], where: str = "cluster spec") -> ClusterSpec:
     """The :class:`ClusterSpec` of a parsed TOML document.
 
     Raises:
         ClusterSpecError: a missing, unknown or out-of-range field (the message names it as
-            ``<where>.hosts[i].<field>`` or ``<where>.network.<field>``), or an unknown device kind.
+            ``<where>.hosts[i].<field>`` or ``<where>.network.<field>``), both or neither of
+            ``network.inter_gb_per_s`` and ``network.host_gb_per_s``, or an unknown device kind.
     """
     _unknown(where, doc, _TOP_FIELDS)
     devices = _spec_devices(where, doc)
@@ -374,13 +401,15 @@ def parse_cluster_spec(doc: dict[str, Any], where: str = "cluster spec") -> Clus
     if not isinstance(network, dict):
         raise ClusterSpecError(f"{where}.network: give a [network] table (inter_gb_per_s, inter_latency_us, ...)")
     _unknown(f"{where}.network", network, _NETWORK_FIELDS)
+    rate, shared = _network_rate(f"{where}.network", network)
     return ClusterSpec(
         name=str(doc.get("name", "")),
         source=str(doc.get("source", "")),
         hosts=tuple(_host_group(f"{where}.hosts[{i}]", table, devices) for i, table in enumerate(hosts)),
-        inter_bytes_per_s=_number(f"{where}.network", network, "inter_gb_per_s", 0) * 1e9,
+        inter_bytes_per_s=rate,
         inter_latency_s=_number(f"{where}.network", network, "inter_latency_us", -1e-12) / 1e6,
         link_efficiency=_number(f"{where}.network", network, "link_efficiency", 0, 1),
+        inter_shared_by_host=shared,
     )
 
 

@@ -26,6 +26,10 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
   share; the same again in backward.
 - Pipeline point-to-point: one activation ``b·s·h`` forward and one gradient backward per stage
   boundary, split over the ``t`` ranks' own network cards (Narayanan et al. §4.1 scatter/gather).
+- A host with one network link for all its devices (``Cluster.inter_shared_by_host``: an emulated
+  cluster's shaped veth) rather than a card per GPU: the host's ranks that cross it at once share its
+  rate, ``min(stride, devices_per_host)`` ring streams (or stage sends) for groups of ranks ``stride``
+  apart, every rank of the host for an all-to-all.
 - Data parallelism, ZeRO 0-2: a ring all-reduce of the gradients (ZeRO 1-2: reduce-scatter plus
   all-gather, the same volume; Rajbhandari et al. 2020 §7), overlapped with the last micro-batch's
   backward (the only backward after which every gradient is final), the rest exposed; all of it
@@ -71,7 +75,13 @@ class Cluster:
         gemm_efficiency: the share of the peak the best-shaped large GEMM reaches (measured).
         devices_per_host: GPUs joined by the intra-host link.
         intra_bytes_per_s, inter_bytes_per_s: link bandwidth per GPU and direction, bytes/s, inside a
-            host and between hosts (per GPU: each GPU has its own network card).
+            host and between hosts (per GPU: each GPU has its own network card); with
+            ``inter_shared_by_host``, ``inter_bytes_per_s`` is the host's instead.
+        inter_shared_by_host: whether a host has one network link, shared by its devices
+            (``inter_bytes_per_s`` bytes/s per host and direction), instead of one per device: a
+            collective with ``k`` of the host's ranks crossing the link at once gets
+            ``inter_bytes_per_s / k`` per rank (:meth:`link`; an emulated cluster's one shaped veth
+            per host, ``[network] host_gb_per_s``).
         link_efficiency: the share of a link's bandwidth a large collective reaches (busbw / link).
         intra_latency_s, inter_latency_s: seconds per ring step of a collective, or per send.
         hosts: hosts in the cluster (0: as many as a layout needs, for the published comparisons).
@@ -112,6 +122,7 @@ class Cluster:
     comm_overlap: bool = True
     collective_curves: tuple[CollectiveCurve, ...] = ()
     core_share: float = 1.0
+    inter_shared_by_host: bool = False
 
     def __post_init__(self) -> None:
         for field in ("devices_per_host", "intra_bytes_per_s", "inter_bytes_per_s"):
@@ -136,31 +147,36 @@ class Cluster:
         """The device as the cost model prices it: efficiency ``gemm_efficiency``."""
         return replace(self.device, efficiency=self.gemm_efficiency)
 
-    def link(self, spans_hosts: bool, size: int = 0) -> tuple[float, float]:
-        """``(achievable bytes/s, latency s)`` of the link a group of ``size`` ranks uses: inter-host if
-        it spans hosts; inside a host, the measured figures of the largest measured group size up to
-        ``size`` (the smallest measured one below it) where :attr:`group_links` has any."""
-        if spans_hosts:
-            return self.inter_bytes_per_s * self.link_efficiency, self.inter_latency_s
+    def link(self, streams: int, size: int = 0) -> tuple[float, float]:
+        """``(achievable bytes/s, latency s)`` of the link one rank of a group of ``size`` ranks uses.
+        ``streams``: 0 when the group stays inside a host; otherwise the host's ranks that send over
+        the network at once (:func:`_host_streams`), which share a host's one link
+        (:attr:`inter_shared_by_host`) and each have their own otherwise. Inside a host, the measured
+        figures of the largest measured group size up to ``size`` (the smallest measured one below
+        it) where :attr:`group_links` has any."""
+        if streams:
+            share = streams if self.inter_shared_by_host else 1
+            return self.inter_bytes_per_s / share * self.link_efficiency, self.inter_latency_s
         if self.group_links:
             fitting = [g for g in self.group_links if g[0] <= size] or [min(self.group_links)]
             _, busbw, latency = max(fitting)
             return busbw * self.link_efficiency, latency
         return self.intra_bytes_per_s * self.link_efficiency, self.intra_latency_s
 
-    def collective_seconds(self, op: str, nbytes: float, size: int, spans_hosts: bool) -> float:
+    def collective_seconds(self, op: str, nbytes: float, size: int, streams: int) -> float:
         """Seconds of one ``op`` of ``nbytes`` (nccl-tests' message size, :attr:`collective_curves`)
-        over a group of ``size`` ranks: inside a host where :attr:`collective_curves` has ``op``, its
+        over a group of ``size`` ranks, ``streams`` of a host's ranks crossing the network at once
+        (0: inside a host; :meth:`link`): inside a host where :attr:`collective_curves` has ``op``, its
         measured curve of the largest measured group size up to ``size`` (:func:`curve_seconds`);
         otherwise the ring formulas on :meth:`link` (all-reduce: :func:`ring_all_reduce_seconds`;
         reduce-scatter, all-gather: :func:`ring_gather_seconds`; all-to-all: each rank sends
         ``(n - 1)/n`` of the buffer, one message per peer). 0 for one rank."""
         if size <= 1:
             return 0.0
-        curves = [] if spans_hosts else [(g, points) for o, g, points in self.collective_curves if o == op]
+        curves = [] if streams else [(g, points) for o, g, points in self.collective_curves if o == op]
         if curves:
             return curve_seconds(max([c for c in curves if c[0] <= size] or [min(curves)])[1], nbytes)
-        bandwidth, latency = self.link(spans_hosts, size)
+        bandwidth, latency = self.link(streams, size)
         if op == "all_reduce":
             return ring_all_reduce_seconds(nbytes, size, bandwidth, latency)
         if op == "all_to_all":
@@ -301,9 +317,15 @@ class StepTime:
         return self.pipeline + self.dp_exposed + self.optimizer
 
 
-def _spans_hosts(stride: int, size: int, cluster: Cluster) -> bool:
-    """A group of ``size`` ranks ``stride`` apart (ranks numbered tp fastest, then sp, dp, pp) leaves a host."""
-    return size > 1 and stride * size > cluster.devices_per_host
+def _host_streams(stride: int, size: int, cluster: Cluster) -> int:
+    """The host's ranks that send over the network at once in a ring (or pipeline send) over groups of
+    ``size`` ranks ``stride`` apart (ranks numbered tp fastest, then sp, dp, pp, hosts holding
+    consecutive ranks); 0 when a group stays inside a host. A host's ranks belong to
+    ``min(stride, devices_per_host)`` such groups, and each group's ring crosses a host boundary
+    with one stream per direction (its stage boundary with one send per rank of the stage)."""
+    if size == 1 or stride * size <= cluster.devices_per_host:
+        return 0
+    return min(stride, cluster.devices_per_host)
 
 
 def activation_bytes(arch: Architecture, layout: Layout) -> float:
@@ -326,17 +348,18 @@ def tp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster) 
     """One of Megatron's per-block tensor-parallel all-reduces: ``b·s·h/sp`` activations of
     ``precision.activation_bytes`` over the ``tp`` ranks (inter-host when ``tp`` exceeds a host)."""
     return cluster.collective_seconds("all_reduce", activation_bytes(arch, layout), layout.tp,
-                                      _spans_hosts(1, layout.tp, cluster))  # fmt: skip
+                                      _host_streams(1, layout.tp, cluster))  # fmt: skip
 
 
 def all_to_all_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     """Ulysses' four all-to-alls of one block's forward on one rank (``sequence_parallel.py``): ``q``
     and the attention output of ``b·(s/sp)·h/t`` elements, ``k`` and ``v`` of ``b·(s/sp)·kv/t``
-    (:meth:`Cluster.collective_seconds`). 0 without ``sp``."""
+    (:meth:`Cluster.collective_seconds`). 0 without ``sp``. Across hosts every rank of a host sends
+    over the network at once (each has peers on other hosts), not one ring stream per group."""
     sp = layout.sp
     tokens = layout.micro_batch * layout.seq_len / sp * layout.precision.activation_bytes / layout.tp
-    spans = _spans_hosts(layout.tp, sp, cluster)
-    return sum(2 * cluster.collective_seconds("all_to_all", tokens * width, sp, spans)
+    streams = cluster.devices_per_host if _host_streams(layout.tp, sp, cluster) else 0
+    return sum(2 * cluster.collective_seconds("all_to_all", tokens * width, sp, streams)
                for width in (arch.hidden, arch.kv_width))  # fmt: skip
 
 
@@ -351,9 +374,9 @@ def vocab_parallel_seconds(arch: Architecture, layout: Layout, cluster: Cluster)
     t = layout.tp
     if t == 1:
         return 0.0, 0.0
-    spans, tokens = _spans_hosts(1, t, cluster), layout.micro_batch * layout.seq_len / layout.sp
-    activation = cluster.collective_seconds("all_reduce", activation_bytes(arch, layout), t, spans)
-    loss = sum(cluster.collective_seconds("all_reduce", 4 * n, t, spans) for n in (tokens + 1, 2 * tokens))
+    streams, tokens = _host_streams(1, t, cluster), layout.micro_batch * layout.seq_len / layout.sp
+    activation = cluster.collective_seconds("all_reduce", activation_bytes(arch, layout), t, streams)
+    loss = sum(cluster.collective_seconds("all_reduce", 4 * n, t, streams) for n in (tokens + 1, 2 * tokens))
     return loss + (activation if layout.pp == 1 else 0.0), activation
 
 
@@ -391,12 +414,13 @@ def loss_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[
 def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     """One stage-to-stage send of a micro-batch's ``b·s·h`` activation (or its gradient), each of the
     ``tp`` ranks sending ``1/t`` of it over its own link (Narayanan et al. §4.1); 0 without ``pp``.
-    Inter-host when the pipeline group leaves a host."""
+    Inter-host when the pipeline group leaves a host, where the stage's ranks on one host (up to
+    ``tp·sp·dp``) send at once (:func:`_host_streams`)."""
     if layout.pp == 1:
         return 0.0
     nbytes = activation_bytes(arch, layout) / layout.tp
     stride = layout.tp * layout.sp * layout.dp
-    bandwidth, latency = cluster.link(_spans_hosts(stride, layout.pp, cluster), 2)
+    bandwidth, latency = cluster.link(_host_streams(stride, layout.pp, cluster), 2)
     return nbytes / bandwidth + latency
 
 
@@ -452,9 +476,9 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
         return 0.0, 0.0
     layers = stage_blocks(arch, layout)
     per_layer = device_params(arch, layout) / layers
-    spans, p = _spans_hosts(layout.tp * layout.sp, n, cluster), layout.precision
-    gather = layers * cluster.collective_seconds("all_gather", per_layer * p.param_bytes, n, spans)
-    scatter = layers * cluster.collective_seconds("reduce_scatter", per_layer * p.grad_bytes, n, spans)
+    streams, p = _host_streams(layout.tp * layout.sp, n, cluster), layout.precision
+    gather = layers * cluster.collective_seconds("all_gather", per_layer * p.param_bytes, n, streams)
+    scatter = layers * cluster.collective_seconds("reduce_scatter", per_layer * p.grad_bytes, n, streams)
     gathers_in_backward = 2 if layout.recompute == "full" else 1
     return gather, gathers_in_backward * gather + scatter
 
@@ -495,15 +519,14 @@ def dp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster, 
         ranks, stride, grad_bytes = layout.dp_replicate, inner * layout.dp_shard, grad_bytes / layout.dp_shard
     else:
         ranks, stride = layout.dp, inner
-    spans = _spans_hosts(stride, ranks, cluster)
+    streams = _host_streams(stride, ranks, cluster)
     if layout.zero_stage not in (1, 2):
-        return cluster.collective_seconds("all_reduce", grad_bytes, ranks, spans)
+        return cluster.collective_seconds("all_reduce", grad_bytes, ranks, streams)
     units = stage_blocks(arch, layout)
     reduce = "all_reduce" if layout.zero_stage == 1 else "reduce_scatter"
     per_unit = (grad_bytes / units, params * layout.precision.param_bytes / units)
-    return units * sum(
-        cluster.collective_seconds(op, n, ranks, spans) for op, n in zip((reduce, "all_gather"), per_unit, strict=True)
-    )
+    ops = zip((reduce, "all_gather"), per_unit, strict=True)
+    return units * sum(cluster.collective_seconds(op, n, ranks, streams) for op, n in ops)
 
 
 def largest_matrix(arch: Architecture, layout: Layout) -> float:
