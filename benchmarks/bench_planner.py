@@ -26,14 +26,17 @@ from loomtrain.planner.cli import resolve_model
 from loomtrain.planner.cluster import load_cluster_spec
 from loomtrain.planner.published import (
     MEGATRON_RUNS,
+    SELENE,
     constant_predictor_errors,
     errors,
+    held_out_errors,
+    held_out_rows,
     mape,
     megatron_layout,
     table_rows,
 )
 from loomtrain.planner.search import search
-from loomtrain.planner.time import DGX_A100, tflops_per_gpu
+from loomtrain.planner.time import tflops_per_gpu
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner.json"
 # Megatron-LM examples/sc21/run_figure_13.sh and run_figure_16.sh: the figures' model shapes.
@@ -44,7 +47,7 @@ SEARCHES = (("llama3-8b", 1024, 8192), ("llama3-70b", 1024, 8192), ("llama3-405b
 
 def _tflops(arch, tp: int, pp: int, batch: int, micro_batch: int = 1) -> float:
     layout = megatron_layout(64 // (tp * pp), tp, pp, batch // micro_batch, micro_batch)
-    return round(tflops_per_gpu(arch, layout, DGX_A100), 1)
+    return round(tflops_per_gpu(arch, layout, SELENE), 1)
 
 
 def rankings() -> dict:
@@ -96,6 +99,10 @@ def main() -> None:
         print(f"| {r['table']} | {r['params_b']} | {r['tp']} | {r['pp']} | {r['gpus']} | {r['batch']} | "
               f"{r['micro_batch']} | {r['published_tflops']:.0f} | {r['predicted_tflops']:.1f} | "
               f"{100 * r['error']:+.1f} % |")  # fmt: skip
+    held = held_out_rows()
+    for r in held:
+        print(f"held out {r['model']} {r['recompute']}: {r['published_s']} s published, {r['predicted_s']} s "
+              f"predicted ({100 * r['error']:+.1f} %)")  # fmt: skip
     ranks = rankings()
     print(json.dumps(ranks, indent=1))
     found = searches()
@@ -104,12 +111,14 @@ def main() -> None:
     errs = errors(MEGATRON_RUNS)
     summary = {"rows": len(errs), "mape_percent": round(mape(errs), 2),
                "worst_row_percent": round(100 * max(errs, key=abs), 2),
-               "best_constant_mape_percent": round(mape(constant_predictor_errors(MEGATRON_RUNS)), 2)}  # fmt: skip
+               "best_constant_mape_percent": round(mape(constant_predictor_errors(MEGATRON_RUNS)), 2),
+               "held_out_mape_percent": round(mape(held_out_errors()), 2),
+               "held_out_worst_percent": round(100 * max(held_out_errors(), key=abs), 2)}  # fmt: skip
     previous = json.loads(RESULTS.read_text()).get("own_runs") if RESULTS.is_file() else None
     if own is None and previous is not None:
         previous.update(separated(previous["rows"]))  # the kept measurements, τ over separated pairs again
-    RESULTS.write_text(json.dumps({"published": rows, "rankings": ranks, "searches": found, "summary": summary,
-                                   "own_runs": own or previous}, indent=2) + "\n")  # fmt: skip
+    RESULTS.write_text(json.dumps({"published": rows, "held_out": held, "rankings": ranks, "searches": found,
+                                   "summary": summary, "own_runs": own or previous}, indent=2) + "\n")  # fmt: skip
     print(f"best constant predictor MAPE {summary['best_constant_mape_percent']:.1f} %; worst row "
           f"{summary['worst_row_percent']:+.1f} %")  # fmt: skip
     print(f"22-row MAPE (Megatron-LM Tables 1 + 2): {summary['mape_percent']:.1f} %")

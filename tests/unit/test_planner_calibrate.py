@@ -60,7 +60,7 @@ def test_spec_devices_and_group_links_reach_the_time_model():
     assert cluster.link(0, 2) == (2e9, 50e-6) and cluster.link(0, 4) == (1e9, 120e-6)
     assert cluster.link(0, 3) == (2e9, 50e-6), "a group of 3 takes the largest measured size below it"
     assert cluster.link(1, 2) == (1e9, 100e-6), "across hosts the network serves every group"
-    assert DGX_A100.link(0, 8) == (300e9 * 0.8, 5e-6), "specs without group figures are unchanged"
+    assert DGX_A100.link(0, 8) == (230e9, 5e-6), "specs without group figures are unchanged"
 
 
 def test_collectives_add_to_the_step_where_they_cannot_hide():

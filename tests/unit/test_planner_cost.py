@@ -43,7 +43,7 @@ def test_planner_block_time_is_the_emulated_layer_time_plus_elementwise_and_wave
     layout = Layout(seq_len=2048, micro_batch=2)
     forward, _, _ = layer_seconds(arch, layout, plain)
     emulated_layer = emulated.stage_times(LLAMA, 1, False, 2048, 2, dev).forward
-    assert forward == pytest.approx(emulated_layer + elementwise_bytes(arch, layout) / dev.memory_bytes_per_s)
+    assert forward == pytest.approx(emulated_layer + elementwise_bytes(arch, layout) / dev.memory_rate(0))
 
 
 def test_gpt_fuses_qkv_and_llama_launches_its_own_linears():

@@ -11,24 +11,27 @@ from __future__ import annotations
 import pytest
 
 from loomtrain.planner.arch import gpt
+from loomtrain.planner.memory import MIXED_ADAM, Layout
 from loomtrain.planner.published import (
     MEGATRON_RUNS,
     MEGATRON_TABLE2,
+    SELENE,
     constant_predictor_errors,
     errors,
+    held_out_errors,
     layout_of,
     mape,
     megatron_layout,
     predict,
 )
-from loomtrain.planner.time import DGX_A100, tflops_per_gpu
+from loomtrain.planner.time import layer_seconds, tflops_per_gpu
 
 FIG13 = gpt(32, 20480, 128)
 FIG16 = gpt(32, 15360, 128)
 
 
 def _megatron(arch, tp: int, pp: int, batch: int, micro_batch: int = 1) -> float:
-    return tflops_per_gpu(arch, megatron_layout(64 // (tp * pp), tp, pp, batch // micro_batch, micro_batch), DGX_A100)
+    return tflops_per_gpu(arch, megatron_layout(64 // (tp * pp), tp, pp, batch // micro_batch, micro_batch), SELENE)
 
 
 @pytest.mark.parametrize("run", MEGATRON_TABLE2, ids=lambda r: f"{r.table}-{r.params_b}B-{r.gpus}")
@@ -42,15 +45,42 @@ def test_table2_rows_are_consistent(run):
     assert run.zero_stage == 0 or (layout.n_micro == 1 and run.tp == run.pp == 1)
 
 
-def test_22_rows_beat_the_best_constant():
-    """Catches: a time model no better than a constant guess across Tables 1 and 2 (44-171 TFLOP/s):
-    its MAPE must be below the best constant's (28.5 %), which every constant fails. The issue's
-    targets, 10 % MAPE and no row worse than 20 %, are NOT met with the runs' own settings
-    (Megatron-LM examples/sc21/run_table_1.sh: 15.0 % and +26.0 %, the model over-predicting the
-    compute-bound rows; docs/planner.md): they are reported, not asserted."""
+def test_22_rows_are_within_10_percent_mape_and_beat_the_best_constant():
+    """Catches: a time model no better than a constant guess across Tables 1 and 2 (44-171 TFLOP/s;
+    the best constant's MAPE is 28.5 %), or one off the issue's 10 % MAPE (7.0 % on SELENE; on
+    DGX_A100, whose GEMM ceiling is 2024 software's, 12.5 %). The issue's other target, no row worse
+    than 20 %, is NOT met (the ZeRO-3 rows at 4 sequences per GPU: +37 %, +43 %; docs/planner.md),
+    so it is reported, not asserted."""
     errs = errors(MEGATRON_RUNS)
     assert len(errs) == 22
-    assert mape(errs) < mape(constant_predictor_errors(MEGATRON_RUNS))
+    assert mape(errs) < 10 < mape(constant_predictor_errors(MEGATRON_RUNS))
+
+
+def test_held_out_korthikanti_runs_are_within_10_percent_mape():
+    """Catches: a model that matches Tables 1 and 2 only: Korthikanti et al. 2022's Table 5 iteration
+    times (22B-1T, full and selective recomputation, 5.9 % MAPE), which no constant of the model was
+    taken from, must be predicted within 10 % MAPE too."""
+    errs = held_out_errors()
+    assert len(errs) == 9 and mape(errs) < 10
+
+
+@pytest.mark.parametrize(
+    ("recompute", "sequence_parallel", "forward_ms", "combined_ms", "tolerance"),
+    [("none", False, 7.7, 19.6, 0.05), ("none", True, 7.2, 19.0, 0.05), ("full", False, 7.7, 27.2, 0.05),
+     ("selective", False, 7.7, 20.9, 0.05), ("selective", True, 7.2, 20.3, 0.10)],
+)  # fmt: skip
+def test_a_22b_layer_takes_the_time_korthikanti_table4_measured(recompute, sequence_parallel, forward_ms,
+                                                                 combined_ms, tolerance):  # fmt: skip
+    """Catches: a block priced off at the layer level (the 22B layer, t 8, micro-batch 4, measured
+    on Selene, Korthikanti et al. 2022 Table 4): forward within 2 %, forward + backward within 5 %
+    (10 % for selective with sequence parallelism, whose backward all-gathers the input again: not
+    priced). Fails without the backward all-reduce under the weight-gradient GEMMs (combined +11 %)
+    or with Megatron SP's norms and dropouts priced on the whole sequence (SP forward +8 %)."""
+    layout = Layout(seq_len=2048, micro_batch=4, tp=8, recompute=recompute, sequence_parallel=sequence_parallel,
+                    precision=MIXED_ADAM, overlap_tp_backward=True)  # fmt: skip
+    forward, backward, _ = layer_seconds(gpt(48, 6144, 64), layout, SELENE)
+    assert 1e3 * forward == pytest.approx(forward_ms, rel=0.02)
+    assert 1e3 * (forward + backward) == pytest.approx(combined_ms, rel=tolerance)
 
 
 def test_best_constant_predictor_is_the_mape_minimising_constant():

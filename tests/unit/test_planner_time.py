@@ -125,7 +125,7 @@ def test_the_cross_entropy_streams_the_logits_on_the_last_stage_only():
     arch, layout = gpt(24, 2304, 24), _layout(micro_batch=16, dp=32, tp=1, pp=1, n_micro=1)
     forward, backward = loss_seconds(arch, layout, DGX_A100)
     logits = 16 * 2048 * 51200
-    assert forward + backward == pytest.approx(logits * 52 / DGX_A100.device.memory_bytes_per_s)
+    assert forward + backward == pytest.approx(logits * 52 / DGX_A100.device.memory_rate(0))
     halved = loss_seconds(arch, replace(layout, tp=2), DGX_A100)
     assert halved == pytest.approx((forward / 2, backward / 2))
     twice = replace(arch, vocab_size=2 * 51200)  # the head's GEMMs and the loss double, nothing else moves
@@ -160,7 +160,7 @@ def test_micro_batches_after_the_first_pay_a_gradient_accumulation_pass():
     assert one.grad_accumulation == 0
     st = step_time(GPT_18B, _layout(), DGX_A100)
     params = device_params(GPT_18B, _layout())
-    assert st.grad_accumulation == pytest.approx(15 * params * 6 / DGX_A100.device.memory_bytes_per_s)
+    assert st.grad_accumulation == pytest.approx(15 * params * 6 / DGX_A100.device.memory_rate(0))
     assert 0.03 < st.grad_accumulation / 16 / st.backward < 0.1
     zero2 = step_time(GPT_18B, _layout(zero_stage=2), DGX_A100)
     assert zero2.grad_accumulation == pytest.approx(st.grad_accumulation)

@@ -136,11 +136,16 @@ def _datasheet_peak(gpu_name: str) -> float:
 # NVIDIA A100 Tensor Core GPU Architecture whitepaper (108) and the H100 whitepaper (SXM5: 132).
 # MAMF: the "Maximum Achievable Matmul FLOPS" table of S. Bekman's Machine Learning Engineering
 # (github.com/stas00/ml-engineering, compute/accelerator/README.md; CUDA 12.1): A100 SXM 267.9,
-# H100 SXM 792.1 TFLOP/s bf16.
+# H100 SXM 792.1 TFLOP/s bf16. The A100's elementwise rate is measured, not the datasheet's: the
+# scale kernel (one read, one write, as most of a block's elementwise kernels) of RRZE-HPC's
+# gpu-benches gpu-stream on an A100 SXM4 80GB, 1,737 GB/s (85 % of 2,039; its triad 1,794, read
+# 1,776), one figure at every size (github.com/RRZE-HPC/gpu-benches, gpu-stream/a100_80.txt).
 DEVICES: dict[str, Device] = {
     "a100": Device("a100", _datasheet_peak("A100"), 2.039e12,
-                   source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: BF16 312 TFLOP/s dense, 2,039 GB/s",
-                   sms=108, memory_bytes=80 * GIB, gpu_name="A100", mamf_flops_per_s=267.9e12),
+                   source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: BF16 312 TFLOP/s dense, 2,039 GB/s; "
+                          "elementwise 1,737 GB/s measured (RRZE-HPC gpu-benches gpu-stream, scale)",
+                   sms=108, memory_bytes=80 * GIB, gpu_name="A100", mamf_flops_per_s=267.9e12,
+                   memory_curve=((float(GIB), 1.737e12),)),
     "h100": Device("h100", _datasheet_peak("H100"), 3.35e12,
                    source="NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 989.4 TFLOP/s dense, 3.35 TB/s",
                    sms=132, memory_bytes=80 * GIB, gpu_name="H100", mamf_flops_per_s=792.1e12),

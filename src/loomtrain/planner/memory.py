@@ -87,6 +87,10 @@ class Layout:
         overlap_grad_reduce: the data-parallel gradient reduction runs under the last micro-batch's
             backward as its buckets fill (loomtrain's sync, torch DDP; Megatron-core's flag of this
             name); False: after it (Megatron-LM's local DDP of 2021, the published runs').
+        overlap_tp_backward: each tensor-parallel collective of the backward (the input gradient's
+            all-reduce, or Megatron SP's all-gather) runs under the weight-gradient GEMMs of the
+            linears whose input it serves (Megatron-LM from 2022: Korthikanti et al. 2022 §6);
+            False: after them (Megatron-LM 2021, loomtrain).
 
     Raises:
         ValueError: a degree or size below 1, an unknown ``zero_stage``, ``schedule`` or
@@ -109,6 +113,7 @@ class Layout:
     recompute: str = "none"
     precision: Precision = field(default=FP32_ADAM)
     overlap_grad_reduce: bool = True
+    overlap_tp_backward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "dp_replicate", "n_micro", "virtual_stages"):

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from dataclasses import replace
 from typing import NamedTuple
 
-from loomtrain.planner.arch import gpt
+from loomtrain.planner.arch import Architecture, gpt
 from loomtrain.planner.memory import MIXED_ADAM, Layout
-from loomtrain.planner.time import DGX_A100, tflops_per_gpu
+from loomtrain.planner.time import DGX_A100, step_time, tflops_per_gpu
 
 
 class PublishedRun(NamedTuple):
@@ -91,6 +92,57 @@ MEGATRON_TABLE2 = (
 )
 MEGATRON_RUNS = MEGATRON_TABLE1 + MEGATRON_TABLE2
 
+# The runs' cluster: DGX A100 (time.DGX_A100's measured links and elementwise rate) with the GEMM
+# ceiling that the software of the runs' time reached, not today's: 230 TFLOP/s fp16 on an A100
+# 80GB SXM with NGC PyTorch 22.07 in 2022, the nearest measurement to the 2021-22 runs found (Mu Li,
+# github.com/mli/transformers-benchmarks README, "Matrix Multiplication FP32 / FP16 116 / 230", the
+# best of n x n x n for n up to 8,192). DGX_A100's 267.9 is a 2024 measurement (CUDA 12.1) over a
+# search of shapes; docs/planner.md gives the comparison with both.
+SELENE = replace(
+    DGX_A100,
+    gemm_efficiency=230e12 / DGX_A100.device.peak_flops_per_s,
+    name="selene-2022",
+    source=DGX_A100.source + "; GEMM 230 TFLOP/s fp16 (mli/transformers-benchmarks, NGC 22.07)",
+)
+
+
+class HeldOutRun(NamedTuple):
+    """A published iteration time the model was not built or tuned on: Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models" (MLSys 2023, arXiv:2205.05198), Table 3
+    (shapes and layouts) and Table 5 (seconds per iteration), on Selene (DGX A100 80 GB), sequence
+    2,048, vocabulary 51,200, tensor parallelism 8, the interleaved schedule with 3 chunks for 175B
+    and 530B, no data parallelism except the §6.3 530B run on 2,240 GPUs (its all-reduce not
+    overlapped). ``recompute``: ``"full"`` (tensor parallelism alone, the paper's baseline) or
+    ``"selective"`` (with sequence parallelism, "present work"). Table 5 agrees with the authors'
+    Megatron-LM README of 2022-05-19 (MFU and HFU)."""
+
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    pp: int
+    dp: int
+    batch: int
+    micro_batch: int
+    virtual_stages: int
+    recompute: str
+    seconds: float
+
+
+_22B, _K175, _K530, _1T = (64, 6144, 48, 1), (96, 12288, 96, 8), (128, 20480, 105, 35), (160, 25600, 128, 64)
+KORTHIKANTI_TABLE5 = tuple(
+    HeldOutRun(name, *shape, dp, batch, b, v, recompute, seconds)
+    for name, shape, dp, batch, b, v, (full, selective) in (
+        ("22B", _22B, 1, 4, 4, 1, (1.42, 1.10)),
+        ("175B", _K175, 1, 64, 1, 3, (18.13, 13.75)),
+        ("530B", _K530, 1, 280, 1, 3, (49.05, 37.83)),
+        ("1T", _1T, 1, 512, 1, 1, (94.42, 71.49)),
+        ("530B dp 8", _K530, 8, 2240, 1, 3, (None, 39.15)),
+    )
+    for recompute, seconds in (("full", full), ("selective", selective))
+    if seconds is not None
+)
+
 
 def megatron_layout(dp: int, tp: int, pp: int, n_micro: int, micro_batch: int = 1, zero_stage: int = 0,
                     virtual_stages: int = 1, torch_ddp: bool = False) -> Layout:  # fmt: skip
@@ -120,10 +172,32 @@ def layout_of(run: PublishedRun, micro_batch: int | None = None) -> Layout:
     return megatron_layout(dp, run.tp, run.pp, n_micro, micro_batch, run.zero_stage, run.virtual_stages, run.torch_ddp)
 
 
+def held_out_layout(run: HeldOutRun) -> Layout:
+    """The layout of a :class:`HeldOutRun`: tensor parallelism 8, Megatron sequence parallelism with
+    selective recomputation, fp16 mixed-precision Adam, 1F1B (interleaved with ``virtual_stages > 1``),
+    the data-parallel all-reduce after the backward (§6.3: "we do not use any overlapping"), the
+    tensor-parallel collectives of the backward under the weight-gradient GEMMs (§6: "we overlap
+    all-reduce communication with the linear weight's gradient computation")."""
+    return Layout(seq_len=2048, micro_batch=run.micro_batch, dp=run.dp, tp=8, pp=run.pp,
+                  n_micro=run.batch // (run.dp * run.micro_batch), recompute=run.recompute,
+                  sequence_parallel=run.recompute == "selective", precision=MIXED_ADAM,
+                  schedule="interleaved_1f1b" if run.virtual_stages > 1 else "1f1b",
+                  virtual_stages=run.virtual_stages, overlap_grad_reduce=False, overlap_tp_backward=True)  # fmt: skip
+
+
+def held_out_errors(runs: tuple[HeldOutRun, ...] = KORTHIKANTI_TABLE5) -> list[float]:
+    """Relative throughput error of each held-out run, ``published seconds / predicted seconds - 1``
+    (positive: predicted faster, the sign of :func:`errors`)."""
+    return [run.seconds / step_time(_arch(run), held_out_layout(run), SELENE).total - 1 for run in runs]
+
+
+def _arch(run: PublishedRun | HeldOutRun) -> Architecture:
+    return gpt(run.layers, run.hidden, run.heads)
+
+
 def predict(run: PublishedRun) -> float:
-    """Predicted TFLOP/s per GPU of ``run`` on :data:`~loomtrain.planner.time.DGX_A100`."""
-    arch = gpt(run.layers, run.hidden, run.heads, name=f"gpt-{run.params_b}b")
-    return tflops_per_gpu(arch, layout_of(run), DGX_A100)
+    """Predicted TFLOP/s per GPU of ``run`` on :data:`SELENE`."""
+    return tflops_per_gpu(_arch(run), layout_of(run), SELENE)
 
 
 def errors(runs: tuple[PublishedRun, ...] = MEGATRON_RUNS) -> list[float]:
@@ -189,6 +263,16 @@ def table_rows(runs: tuple[PublishedRun, ...] = MEGATRON_RUNS) -> list[dict]:
     ]  # fmt: skip
 
 
+def held_out_rows(runs: tuple[HeldOutRun, ...] = KORTHIKANTI_TABLE5) -> list[dict]:
+    """One dict per held-out run: its layout, published and predicted seconds per iteration, error."""
+    return [
+        {"model": r.name, "recompute": r.recompute, "pp": r.pp, "dp": r.dp, "batch": r.batch,
+         "micro_batch": r.micro_batch, "published_s": r.seconds, "predicted_s": round(r.seconds / (1 + e), 2),
+         "error": round(e, 4)}
+        for r, e in zip(runs, held_out_errors(runs), strict=True)
+    ]  # fmt: skip
+
+
 def main() -> None:
     """Print Tables 1 and 2 beside the predictions, then the MAPE of the model and of the constant predictor."""
     print("| table | params (B) | t | p | GPUs | batch | b | published TFLOP/s | predicted | error |")
@@ -199,6 +283,13 @@ def main() -> None:
               f"{100 * row['error']:+.1f} % |")  # fmt: skip
     errs = errors()
     worst = max(errs, key=abs)
+    print("\n| held out: Korthikanti Table 5 | recompute | p | d | published s | predicted s | error |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for row in held_out_rows():
+        print(f"| {row['model']} | {row['recompute']} | {row['pp']} | {row['dp']} | {row['published_s']:.2f} | "
+              f"{row['predicted_s']:.2f} | {100 * row['error']:+.1f} % |")  # fmt: skip
+    held = held_out_errors()
+    print(f"held-out MAPE {mape(held):.1f} % (worst {100 * max(held, key=abs):+.1f} %)")
     print(f"{len(errs)}-row MAPE {mape(errs):.1f} % (worst row {100 * worst:+.1f} %); "
           f"best constant predictor MAPE {mape(constant_predictor_errors()):.1f} %")  # fmt: skip
 

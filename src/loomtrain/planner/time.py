@@ -200,22 +200,26 @@ def _mamf_share(name: str) -> float:
 
 
 # DGX A100 (NVIDIA DGX A100 System Architecture whitepaper, and the A100 datasheet): 8 A100 SXM per
-# host, third-generation NVLink 600 GB/s per GPU in both directions together (300 GB/s each way)
-# through NVSwitch, eight 200 Gb/s HDR InfiniBand cards (25 GB/s per GPU each way). GEMM ceiling: the
-# device table's MAMF (267.9 of 312 TFLOP/s). link_efficiency and the latencies: docs/planner.md
-# "Time model" (NCCL's ~20 % protocol overhead; an NCCL small-message measurement; an assumption).
+# host through NVSwitch, eight 200 Gb/s HDR InfiniBand cards, one per GPU. The link figures are
+# measured NCCL bus bandwidths (so link_efficiency is 1): 230 GB/s for an all-reduce of the 8 GPUs
+# of a host (NCCL maintainer, NVIDIA/nccl-tests issue #149: "~20GB/s effective" per 25 GB/s NVLink,
+# 240 GB/s, "other bottlenecks on the GPUs limits it to ~230GB/s"), 24 GB/s per HDR card (NCCL
+# maintainer, NVIDIA/nccl issue #412: "24GB/s inter-node" for one 200G HDR NIC; NVIDIA/nccl issue
+# #812: 192 GB/s all-reduce busbw between DGX A100s, 8 cards). GEMM ceiling: the device table's
+# MAMF (267.9 of 312 TFLOP/s, CUDA 12.1). Latencies: docs/planner.md "Time model".
 # configs/clusters/dgx_a100.toml holds the same figures (a test keeps them equal).
 DGX_A100 = Cluster(
     device=DEVICES["a100"],
     gemm_efficiency=_mamf_share("a100"),
     devices_per_host=8,
-    intra_bytes_per_s=300e9,
-    inter_bytes_per_s=25e9,
-    link_efficiency=0.8,
+    intra_bytes_per_s=230e9,
+    inter_bytes_per_s=24e9,
+    link_efficiency=1.0,
     intra_latency_s=5e-6,
     inter_latency_s=10e-6,
     name="dgx-a100",
-    source="DGX A100 whitepaper; A100 datasheet; ml-engineering MAMF table (A100 SXM 267.9 TFLOP/s bf16)",
+    source="DGX A100 whitepaper; NCCL busbw: nccl-tests #149 (NVLink 230 GB/s), nccl #412 (24 GB/s per HDR card); "
+    "ml-engineering MAMF table (A100 SXM 267.9 TFLOP/s bf16)",
 )
 # DGX H100 (NVIDIA DGX H100 user guide / H100 datasheet): 8 H100 SXM5, fourth-generation NVLink
 # 900 GB/s per GPU both directions together (450 GB/s each way), eight ConnectX-7 400 Gb/s
@@ -226,6 +230,7 @@ DGX_H100 = replace(
     gemm_efficiency=_mamf_share("h100"),
     intra_bytes_per_s=450e9,
     inter_bytes_per_s=50e9,
+    link_efficiency=0.8,  # line rates: NCCL's ~20 % protocol overhead (nccl-tests issue #212, about H100)
     name="dgx-h100",
     source="DGX H100 user guide; H100 datasheet; ml-engineering MAMF table (H100 SXM 792.1 TFLOP/s bf16)",
 )
@@ -255,14 +260,16 @@ def elementwise_bytes(arch: Architecture, layout: Layout) -> float:
     attention output's copy to contiguous (``2h/t``), SiLU and the product (``5f/t``); the fused
     attention kernel's scores never reach memory. Backward moves
     twice as much (it reads the saved input and the output gradient, writes the input gradient).
-    Ulysses ``sp`` divides the tokens; elements of ``precision.activation_bytes`` other than 2 (an fp32
-    run) scale the bytes.
+    Ulysses ``sp`` divides the tokens; Megatron sequence parallelism divides the norms' and residual
+    adds' by ``t`` (they run on a ``1/t`` slice of the sequence: Korthikanti et al. 2022 §4.2.2);
+    elements of ``precision.activation_bytes`` other than 2 (an fp32 run) scale the bytes.
     """
     s, t, h, a = layout.seq_len, layout.tp, arch.hidden, arch.n_heads
+    sigma = t if layout.sequence_parallel else 1
     if arch.family == "gpt":
-        per_token = 8 * h + 14 * h + 16 * h / t + 9 * a * s / t
+        per_token = (8 * h + 14 * h) / sigma + 16 * h / t + 9 * a * s / t
     else:
-        per_token = 2 * (20 * h + (12 * h + 10 * arch.kv_width + 5 * arch.ffn_hidden) / t)
+        per_token = 2 * (20 * h / sigma + (12 * h + 10 * arch.kv_width + 5 * arch.ffn_hidden) / t)
     return per_token * layout.micro_batch * s / layout.sp * layout.precision.activation_bytes / 2
 
 
@@ -442,7 +449,9 @@ def layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
         ValueError: ``tp`` (or ``tp·sp``) does not divide the heads, the key/value heads or the MLP.
     """
     block = Layout(seq_len=layout.seq_len, micro_batch=layout.micro_batch, tp=layout.tp, sp=layout.sp,
-                   recompute=layout.recompute, precision=layout.precision)  # fmt: skip
+                   recompute=layout.recompute, precision=layout.precision,
+                   overlap_tp_backward=layout.overlap_tp_backward,
+                   sequence_parallel=layout.sequence_parallel)  # fmt: skip
     return _layer_seconds(arch, block, cluster)
 
 
@@ -454,9 +463,10 @@ def _layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tupl
     gemm_f = sum(g.seconds(dev, True) for g in gemms) + attention
     gemm_b = sum(g.input_grad().seconds(dev, True) + g.weight_grad().seconds(dev, True) for g in gemms)
     elementwise = elementwise_bytes(arch, layout) / cluster.device.memory_rate(activation_bytes(arch, layout))
-    comm = 2 * tp_all_reduce_seconds(arch, layout, cluster) + all_to_all_seconds(arch, layout, cluster)
+    all_to_all = all_to_all_seconds(arch, layout, cluster)
+    comm = 2 * tp_all_reduce_seconds(arch, layout, cluster) + all_to_all
     forward = gemm_f + elementwise + comm
-    backward = gemm_b + attention_backward + 2 * elementwise + comm
+    backward = gemm_b + attention_backward + 2 * elementwise + all_to_all + tp_backward_seconds(arch, layout, cluster)
     tp_comm = 2 * comm
     if layout.recompute == "full":
         backward += forward
@@ -464,6 +474,20 @@ def _layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tupl
     elif layout.recompute == "selective":
         backward += attention
     return forward, backward, tp_comm
+
+
+def tp_backward_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
+    """Seconds the backward of one block waits for its two tensor-parallel collectives (the input
+    gradients of the attention's and the MLP's column-parallel linears, those whose input is the
+    whole ``h``): both whole, or with ``layout.overlap_tp_backward`` what each exceeds of the
+    weight-gradient GEMMs of its linears, which run meanwhile (Korthikanti et al. 2022 §6)."""
+    all_reduce = tp_all_reduce_seconds(arch, layout, cluster)
+    if not layout.overlap_tp_backward or layout.tp == 1:
+        return 2 * all_reduce
+    dev, gemms = cluster.compute_device, layer_gemms(arch, layout.seq_len // layout.sp, layout.micro_batch, layout.tp)
+    split = next(i for i, g in enumerate(gemms) if g.k != arch.hidden)  # the attention's output projection
+    sides = (gemms[:split], [g for g in gemms[split:] if g.k == arch.hidden])
+    return sum(max(0.0, all_reduce - sum(g.weight_grad().seconds(dev, True) for g in side)) for side in sides)
 
 
 def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float]:
