@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,7 @@ from loomtrain.planner.calibrate import (
 )
 from loomtrain.planner.cli import cmd_plan
 from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
-from loomtrain.planner.cost import DEVICES, Gemm
+from loomtrain.planner.cost import DEVICES, Gemm, attention_kernels, attention_times
 from loomtrain.planner.memory import RECOMPUTE, Layout, device_params, precision_for
 from loomtrain.planner.published import kendall_tau, separated_tau
 from loomtrain.planner.search import search
@@ -32,6 +33,7 @@ from loomtrain.planner.time import (
     curve_seconds,
     dp_all_reduce_seconds,
     elementwise_bytes,
+    grad_passes_seconds,
     layer_seconds,
     pipeline_seconds,
     ring_all_reduce_seconds,
@@ -148,6 +150,7 @@ def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monke
     assert busbw > 1e6 and 0 < latency < 0.1
     curve = cluster.device.gemm_curve
     assert len(curve) >= 5 and all(rate > 1e8 for _, rate in curve)
+    assert len(cluster.device.attention_curve) == 4 and all(rate > 1e8 for _, rate in cluster.device.attention_curve)
     assert cluster.device.memory_bytes_per_s > 1e8 and cluster.device.element_bytes == 4
     assert [size for size, _ in cluster.device.memory_curve] == [2**20, 2**22, 2**24]
     assert {(op, g) for op, g, _ in cluster.collective_curves} == {(op, 2) for op in OPS}
@@ -221,10 +224,15 @@ def test_plan_refuses_numbers_out_of_range(argv, message, capsys):
 
 
 def test_calibrate_refuses_a_bad_out_path_or_too_many_ranks_before_measuring(tmp_path, capsys):
-    """Catches: a directory, a path under a file, or 1,024 measuring processes found only after the
-    measurement (or as a traceback): the checks run first and answer with exit code 2."""
+    """Catches: a directory, a path under a file, a directory that refuses files though access() allows
+    them (/proc for root: found by a fresh user only after the whole measurement, with a temporary
+    file's name in the error), or 1,024 measuring processes found only after the measurement (or as a
+    traceback): the checks run first and answer with exit code 2."""
     (tmp_path / "file").write_text("")
-    for out, message in ((tmp_path, "is a directory"), (tmp_path / "file" / "spec.toml", "is not a directory")):
+    cases = [(tmp_path, "is a directory"), (tmp_path / "file" / "spec.toml", "is not a directory")]
+    if os.path.isdir("/proc"):
+        cases.append((Path("/proc/spec.toml"), "cannot create a file in /proc"))
+    for out, message in cases:
         assert cmd_plan(["--calibrate", "--ranks", "2", "--out", str(out)]) == 2
         assert message in capsys.readouterr().err
     assert cmd_plan(["--calibrate", "--ranks", "1024"]) == 2
@@ -337,6 +345,49 @@ def test_elementwise_kernels_are_priced_at_the_activation_size():
     assert gap == pytest.approx(elementwise / 20e9 - elementwise / 40e9)
     with pytest.raises(ClusterSpecError, match="memory_curve"):
         parse_cluster_spec({"devices": [{**CPU, "memory_curve": [[0, 1]]}], "hosts": [HOST], "network": NETWORK})
+
+
+def test_the_attention_kernel_is_priced_at_its_measured_rate_per_head():
+    """Catches: a calibrated CPU's fused attention priced at the GEMM curve (this machine's SDPA at
+    128 tokens: 0.09 TFLOP/s against the GEMMs' 0.21, a 7 ms gap per micro-batch of the own-run
+    model), the curve read at all heads' FLOPs instead of one head's (its rate follows the sequence
+    length), or GPUs without a curve losing their roofline."""
+    per_head = 3.0 * 4 * 64 * 64 * 32  # forward and backward of one head: s = 64, head size 32
+    doc = {"devices": [{**CPU, "attention_curve": [[per_head, 0.004], [4 * per_head, 0.008]]}], "hosts": [HOST],
+           "network": NETWORK}  # fmt: skip
+    dev = parse_cluster_spec(doc, where="s").to_cluster().compute_device
+    arch = from_model_config(_model())  # 4 heads of 32
+    forward, backward = attention_times(arch, 64, 2, 1, dev)
+    assert forward == pytest.approx(8 * per_head / 3 / 0.004e12) and backward == pytest.approx(2 * forward)
+    assert attention_times(arch, 64, 2, 2, dev)[0] == pytest.approx(forward / 2), "tp halves the heads, not the rate"
+    plain = spec().to_cluster().compute_device
+    assert attention_times(arch, 64, 2, 1, plain)[0] == attention_kernels(arch, 64, 2, 1, 4)[0].seconds(plain)
+    with pytest.raises(ClusterSpecError, match="attention_curve"):
+        parse_cluster_spec({"devices": [{**CPU, "attention_curve": [[1e6]]}], "hosts": [HOST], "network": NETWORK})
+
+
+def test_the_passes_over_gradients_are_priced_per_zero_stage():
+    """Catches: the step's memory-bound gradient passes left out (zeroing, averaging and clipping: 19 ms
+    of dp 2's step in the own-run model), ZeRO's gradient packing and parameter unpacking left out or
+    counted once where stage 3 gathers every micro-batch, or loomtrain's copies charged to the
+    published DeepSpeed runs (``zero_gather_copies``)."""
+    arch, cluster = from_model_config(_model()), spec().to_cluster()  # 20 GB/s at every size
+    fp32 = precision_for("fp32", 0)
+    params = device_params(arch, Layout(seq_len=64))
+    grads, rate = params * 4, 20e9
+
+    def passes(**layout) -> float:
+        return grad_passes_seconds(arch, Layout(seq_len=64, precision=fp32, **layout), cluster, params)
+
+    assert passes() == pytest.approx(4 * grads / rate)  # zeroed, clipped
+    assert passes(dp=2) == pytest.approx(6 * grads / rate)  # and averaged
+    zero1 = (2 * grads + 2 * grads + 3 * grads / 2 + params * 4 * (2 / 2 + 2)) / rate
+    assert passes(dp=2, zero_stage=1) == pytest.approx(zero1)
+    zero3 = passes(dp=2, zero_stage=3, n_micro=3, recompute="full")
+    assert zero3 - zero1 == pytest.approx((3 * 3 - 1) * params * 4 * 3 / rate)
+    assert passes(dp=2, zero_stage=3, zero_gather_copies=False) == pytest.approx((4 * grads + 1.5 * grads) / rate)
+    layout = Layout(seq_len=64, dp=2, precision=fp32)
+    assert step_time(arch, layout, cluster).grad_passes == pytest.approx(6 * grads / rate)
 
 
 def test_ranks_sharing_cores_do_not_lose_the_pipeline_bubble(monkeypatch):

@@ -49,12 +49,19 @@ def test_shipped_specs_are_the_clusters_the_model_was_checked_with(name, referen
             r"spec.network: give exactly one of inter_gb_per_s .* and host_gb_per_s .*; found neither",
         ),
         ({"hosts": [HOST], "network": {**SHARED_NETWORK, "host_gb_per_s": 0}}, r"spec.network.host_gb_per_s=0: give"),
+        ({"hosts": [HOST], "network": {**NETWORK, "inter_gb_per_s": float("inf")}}, r"inter_gb_per_s=inf: give a fin"),
+        ({"hosts": [{**HOST, "intra_latency_us": -1}], "network": NETWORK}, r"intra_latency_us=-1: .* at least 0"),
+        (
+            {"hosts": [{k: v for k, v in HOST.items() if k != "intra_gb_per_s"}], "network": NETWORK},
+            r"spec.hosts\[0\].intra_gb_per_s is missing: give a finite number above 0",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(doc, message):
     """Catches: a malformed spec accepted (a string bandwidth, an efficiency above 1, a typo'd key, both or
-    neither of the per-device and per-host network rates) or an error that does not say which field of
-    which host table to fix."""
+    neither of the per-device and per-host network rates, an infinite rate, which became a NaN in
+    another field) or an error that does not say which field of which host table to fix (a missing
+    one shown as "=None", a negative latency asked to be "above -1e-12")."""
     with pytest.raises(ClusterSpecError, match=message):
         parse_cluster_spec(doc, where="spec")
 
@@ -96,6 +103,43 @@ def test_search_ranks_fitting_layouts_by_step_time_and_counts_the_rejected():
 
 
 FIG13_ARCH = gpt(32, 20480, 128)
+
+
+def test_mixed_host_sizes_keep_every_device():
+    """Catches (a fresh user's break test): 1×8 A100 + 1×4 H100 planned as 8 GPUs ("hosts × the fewest
+    devices per host") and `--gpus 12` refused as more than the cluster's 8; 2×8 + 1×1 became 3."""
+    small = {**HOST, "count": 1, "devices_per_host": 4, "device": "h100", "intra_gb_per_s": 450}
+    cluster = parse_cluster_spec({"hosts": [{**HOST, "count": 1}, small], "network": NETWORK}).to_cluster()
+    assert (cluster.gpus, cluster.devices_per_host, cluster.hosts) == (12, 4, 3)
+    assert search(gpt(8, 2048, 16), cluster, 96, world=12).plans[0].layout.gpus == 12
+    odd = parse_cluster_spec({"hosts": [HOST, {**small, "devices_per_host": 1}], "network": NETWORK}).to_cluster()
+    assert (odd.gpus, odd.devices_per_host) == (17, 1)
+
+
+def test_sequences_sp_cannot_split_are_refused_not_crashed():
+    """Catches (a fresh user's break test): `--seq-len 3` on 8 GPUs crashing with "GEMM m=0" (Ulysses sp = 4
+    gave each rank 0 tokens), lengths sp does not divide silently rounded down, and sequences longer than
+    the model's positions (GPT-3's learned 2,048) planned."""
+    result = search(FIG13_ARCH, replace(DGX_A100, hosts=1), 8, seq_len=3)
+    assert result.rejected["sequence"] > 0 and all(p.layout.sp == 1 for p in result.plans)
+    assert all(3 % p.layout.sp == 0 for p in search(FIG13_ARCH, replace(DGX_A100, hosts=1), 8, seq_len=6).plans)
+    with pytest.raises(ValueError, match="--seq-len=4096 must be in 1..2048"):
+        search(GPT3_175B, DGX_A100, 8, seq_len=4096, world=8)
+
+
+def test_no_layout_advice_names_what_refused_them(capsys):
+    """Catches (a fresh user's break test): a global batch no dp divides (8 sequences on 7 GPUs) answered
+    with "add GPUs" (which makes it worse) and exit status 0; and "layouts considered" counting the
+    memory rejections twice (31,475 printed for 20,724 layouts built)."""
+    args = ["--model", "llama3-8b", "--cluster", "dgx-a100", "--gpus", "7"]
+    assert cmd_plan([*args, "--global-batch", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "no layout divides the work" in out and "add GPUs" not in out
+    assert cmd_plan([*args[:4], "--gpus", "8", "--global-batch", "8", "--seq-len", "8192", "--memory-fraction",
+                     "0.05"]) == 1  # fmt: skip
+    assert "no layout fits: add GPUs" in capsys.readouterr().out
+    result = search(FIG13_ARCH, replace(DGX_A100, hosts=8), 128)
+    assert result.considered == len(result.plans) + result.rejected["memory"]
 
 
 def test_search_of_1024_gpus_covers_the_space_and_finds_plans():

@@ -16,6 +16,7 @@ Sources of the published numbers:
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from loomtrain.planner.memory import (
     gpt_layer_activation_bytes,
     in_flight,
     llama_layer_activation_bytes,
+    logits_bytes,
     model_state_bytes,
     precision_for,
 )
@@ -249,7 +251,7 @@ def test_estimate_totals_and_bad_layouts():
     raises an error naming the field."""
     arch = from_model_config(copy.deepcopy(preset_config("llama3-8b")))
     est = estimate(arch, Layout(seq_len=8192, dp=8, zero_stage=3, precision=AUTOCAST_BF16_ADAM))
-    parts = est.params + est.grads + est.optimizer + est.activations + est.autocast_copies
+    parts = est.params + est.grads + est.optimizer + est.activations + est.autocast_copies + est.logits
     assert est.total == parts and est.params == pytest.approx(4 * arch.param_count() / 8)
     with pytest.raises(ValueError, match="Layout.dp=0"):
         Layout(seq_len=8, dp=0)
@@ -257,3 +259,22 @@ def test_estimate_totals_and_bad_layouts():
         Layout(seq_len=8, zero_stage=4)
     with pytest.raises(ValueError, match="Layout.tp=3"):
         estimate(arch, Layout(seq_len=8, tp=3))
+
+
+def test_the_loss_logits_are_counted():
+    """Catches (a fresh user's break test): llama3.2-1b's top plan at micro-batch 4 × 8,192 tokens on 8
+    A100s printed at 63 GiB while its 128K-vocabulary logits alone take 42 GB (bf16 logits, their fp32
+    copy, the saved log-softmax), so the layout the planner put first could not run; or the saved
+    log-softmax not being the 4 bytes per logit the count assumes."""
+    arch = from_model_config(copy.deepcopy(preset_config("llama3.2-1b")))
+    layout = Layout(seq_len=8192, micro_batch=4, dp=8, n_micro=2, precision=AUTOCAST_BF16_ADAM)
+    logits = 4 * 8192 * arch.vocab_size
+    assert logits_bytes(arch, layout) == logits * (2 + 4 + 4) and estimate(arch, layout).logits == logits * 10
+    assert logits_bytes(arch, replace(layout, tp=2, sp=2)) == logits * 10 / 4
+    x = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
+    with SavedTensorCounter() as counter:
+        torch.nn.functional.cross_entropy(x.float(), torch.zeros(6, dtype=torch.long))
+    assert 6 * 50 * 4 <= counter.bytes <= 6 * 50 * 4 + 6 * 8 + 4  # the log-softmax; the targets, a scalar
+    top_before = replace(layout, zero_stage=1, precision=MIXED_ADAM)  # the plan printed at 63.4 GiB
+    assert estimate(arch, top_before).total - estimate(arch, top_before).logits == pytest.approx(63.4 * 2**30, rel=1e-3)
+    assert estimate(arch, top_before).total > 0.9 * 80 * 2**30

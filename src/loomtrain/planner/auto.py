@@ -156,7 +156,7 @@ def vocab_size(cfg: Config) -> int:
         return cfg.model.vocab_size
     if cfg.data.tokenizer != "char":
         raise ConfigError(
-            "model.vocab_size=0 with data.tokenizer='bpe': parallel.auto needs the vocabulary size before the "
+            "model.vocab_size=0 with data.tokenizer='bpe': the planner needs the vocabulary size before the "
             f"tokenizer is trained; set model.vocab_size={cfg.data.bpe_vocab_size} (data.bpe_vocab_size, which the "
             "learned vocabulary never exceeds)"
         )

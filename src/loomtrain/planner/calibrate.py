@@ -14,6 +14,10 @@ What each rank measures, all ranks at once:
   :data:`WINDOW_S` window of calls back to back (:func:`_mean_seconds` says why not a median). The
   planner reads this curve by FLOPs (:meth:`~loomtrain.planner.cost.Device.gemm_rate`): the
   efficiency-by-size curve of issue #19, measured instead of derived from waves.
+- **The fused attention kernel's rate by size** (:func:`measure_attention_curve`): causal
+  ``scaled_dot_product_attention``, forward and backward, at the sequence lengths of
+  :data:`ATTENTION_SEQ_LENS`; on a CPU it runs at half the GEMM rate or less (a 128-token
+  sequence: 0.09 TFLOP/s against the GEMMs' 0.21 here), which the GEMM curve would miss.
 - **Memory bandwidth by tensor size** of eager elementwise kernels (:func:`measure_memory_curve`): an
   RMSNorm and a SwiGLU product, forward and backward, over tensors of 1 to 16 MiB (a small model's
   activations stay in the CPU's caches, a large one's do not), bytes counted as the time model counts
@@ -56,9 +60,12 @@ from loomtrain.cache import cache_dir, write_atomic
 from loomtrain.collective_bench import bus_factor, collective_buffers, flat_op
 from loomtrain.distributed.collectives import OPS
 from loomtrain.hardware import device_name, usable_cpus
+from loomtrain.models.llama import apply_rotary, rope_cache
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec, parse_cluster_spec
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)
+# The attention kernel's timed shapes: (batch · heads) sequences of these lengths, head size 64.
+ATTENTION_SEQ_LENS, ATTENTION_HEADS, ATTENTION_HEAD_DIM = (64, 128, 256, 512), 16, 64
 # Each figure is a mean over this many seconds of back-to-back calls (at least MIN_CALLS): several
 # of Linux CFS's scheduling periods (6-24 ms; sched(7)), so an oversubscribed core's sharing shows.
 WINDOW_S = 0.25
@@ -74,6 +81,9 @@ log = logging.getLogger(__name__)
 # The eager elementwise mix's tensors: rows of width 1,024, fp32 (1, 4 and 16 MiB each): a micro-batch's
 # activations, from cache-resident (this machine: 1 MiB of L2 per core, 32 MiB of L3) to beyond the caches.
 EAGER_ROWS, EAGER_WIDTH = (256, 1024, 4096), 1024
+# The heads and the SwiGLU width of that mix: heads of 64 (the own-run model's, GPT-3's), an MLP
+# 2.69 times the width (Llama 2 7B's 11,008 of 4,096).
+EAGER_HEAD_DIM, EAGER_FFN = 64, 2752
 # Calls of the elementwise mix before its timing window: the allocator reaches the state a training
 # loop's steady state has (glibc raises its mmap threshold after the first frees; the first calls
 # page-fault every output and measured 3-9 GB/s where later ones reach 16-20).
@@ -126,31 +136,62 @@ def measure_gemm_curve() -> list[tuple[float, float]]:
     return [(flops, statistics.fmean(r)) for flops, r in sorted(rates.items())]
 
 
+def measure_attention_curve() -> list[tuple[float, float]]:
+    """``[(flops of one head, flop_per_s), ...]`` of causal ``scaled_dot_product_attention``,
+    forward and backward, on :data:`ATTENTION_HEADS` fp32 sequences of each of
+    :data:`ATTENTION_SEQ_LENS` tokens, FLOPs counted as the time model counts them
+    (``planner/cost.py``'s ``attention_kernels``: ``4 s² d`` per head forward, twice that
+    backward, every score counted)."""
+    points = []
+    for s in ATTENTION_SEQ_LENS:
+        q, k, v = (torch.randn(1, ATTENTION_HEADS, s, ATTENTION_HEAD_DIM, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, ATTENTION_HEADS, s, ATTENTION_HEAD_DIM)
+        flops = 3.0 * 4 * s * s * ATTENTION_HEAD_DIM
+        seconds = _mean_seconds(
+            lambda q=q, k=k, v=v, g=grad: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+        )
+        points.append((flops, ATTENTION_HEADS * flops / seconds))
+    return points
+
+
 def measure_memory_curve() -> list[tuple[float, float]]:
     """``[(tensor bytes, bytes/s), ...]`` of :func:`measure_memory_bandwidth` for each of :data:`EAGER_ROWS`."""
     return [(rows * EAGER_WIDTH * 4.0, measure_memory_bandwidth(rows)) for rows in EAGER_ROWS]
 
 
 def measure_memory_bandwidth(rows: int) -> float:
-    """Bytes/s of eager elementwise kernels with autograd: an RMSNorm and a SwiGLU product (the
-    non-GEMM work of a block, kernel by kernel as eager PyTorch runs them) over ``rows ×
-    EAGER_WIDTH`` fp32 tensors, forward and backward, each output freshly allocated, timed after
-    :data:`EAGER_WARMUP_S` of calls.
+    """Bytes/s of a Llama block's eager elementwise kernels with autograd, as ``models/llama.py``
+    runs them on a ``rows``-token sequence of width :data:`EAGER_WIDTH` (heads of
+    :data:`EAGER_HEAD_DIM`, SwiGLU width :data:`EAGER_FFN`), fp32, forward and backward, each
+    output freshly allocated, timed after :data:`EAGER_WARMUP_S` of calls: two RMSNorms, the
+    rotary embedding of the queries and keys on their head-major views, the attention output's
+    copy back to token-major, two residual adds, SiLU and the gate product.
 
     Bytes are counted as the time model counts a block's (``planner/time.py``'s
-    ``elementwise_bytes``): each forward kernel reads its inputs and writes its output once (``pow``
-    2, ``mean`` 1, two ``mul`` 2 each, ``silu`` 2, ``mul`` 3, two ``sum`` 1 each: 14 tensors), and
-    backward moves twice the forward. Not STREAM's preallocated ``c = a + b``: a block's kernels
-    allocate their outputs as these do, at the sizes of its activations.
+    ``elementwise_bytes``, ``32h + 10·kv + 5f`` elements per token forward, backward twice that).
+    Not STREAM's preallocated ``c = a + b``: the rate takes in what these kernels pay beyond their
+    bytes (strided head-major views, allocation, autograd), so that the time model's byte count
+    prices them at what they take.
     """
-    x, a, b = (torch.randn(rows, EAGER_WIDTH, requires_grad=True) for _ in range(3))
-    weight = torch.ones(EAGER_WIDTH, requires_grad=True)
+    h, heads = EAGER_WIDTH, EAGER_WIDTH // EAGER_HEAD_DIM
+    x, weight = torch.randn(rows, h, requires_grad=True), torch.ones(h, requires_grad=True)
+    q, k = (torch.randn(1, rows, heads, EAGER_HEAD_DIM, requires_grad=True) for _ in range(2))
+    attention = torch.randn(1, heads, rows, EAGER_HEAD_DIM, requires_grad=True)
+    a, b = (torch.randn(rows, EAGER_FFN, requires_grad=True) for _ in range(2))
+    cos, sin = rope_cache(EAGER_HEAD_DIM, rows, 10000.0)
+    grads = [torch.ones(rows, h), *(torch.ones(1, heads, rows, EAGER_HEAD_DIM) for _ in range(2)),
+             torch.ones(rows, h), torch.ones(rows, EAGER_FFN)]  # fmt: skip
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * weight
 
     def step() -> None:
-        normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * weight
-        (normed.sum() + (F.silu(a) * b).sum()).backward()
+        rotated = [apply_rotary(t.transpose(1, 2), cos, sin) for t in (q, k)]
+        hidden = x + attention.transpose(1, 2).reshape(rows, h)
+        outputs = [norm(x), *rotated, hidden + norm(hidden), F.silu(a) * b]
+        torch.autograd.backward(outputs, grads)
 
-    forward_bytes = 14 * rows * EAGER_WIDTH * 4
+    forward_bytes = (32 * h + 10 * h + 5 * EAGER_FFN) * rows * 4
     return 3 * forward_bytes / _mean_seconds(step, warmup_s=EAGER_WARMUP_S)
 
 
@@ -213,24 +254,29 @@ def _rank_measurements(ranks: int) -> dict:
     curve = measure_gemm_curve()
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     dist.barrier()
-    memory = measure_memory_curve()
+    memory, attention = measure_memory_curve(), measure_attention_curve()
     collectives, curves = measure_collectives(ranks)
-    return {"curve": curve, "memory": memory, "collectives": collectives, "curves": curves, "cpu_share": share}
+    return {"curve": curve, "memory": memory, "attention": attention, "collectives": collectives, "curves": curves,
+            "cpu_share": share}  # fmt: skip
 
 
 def _mean(values) -> float:
     return statistics.fmean(values)
 
 
+def _pointwise_mean(per_rank: list[dict], key: str) -> list[tuple[float, float]]:
+    """The mean over ranks of each point of the measured ``(size, rate)`` curve ``key``."""
+    return [(size, _mean(r[key][i][1] for r in per_rank)) for i, (size, _) in enumerate(per_rank[0][key])]
+
+
 def combine(per_rank: list[dict]) -> dict:
     """The ranks' measurements as one: each figure the mean over ranks (``curve`` point by point)."""
-    curve = [(flops, _mean(r["curve"][i][1] for r in per_rank)) for i, (flops, _) in enumerate(per_rank[0]["curve"])]
+    curve, memory, attention = (_pointwise_mean(per_rank, key) for key in ("curve", "memory", "attention"))
     sizes = sorted(per_rank[0]["collectives"])
     collectives = {g: tuple(_mean(r["collectives"][g][j] for r in per_rank) for j in (0, 1)) for g in sizes}
-    memory = [(size, _mean(r["memory"][i][1] for r in per_rank)) for i, (size, _) in enumerate(per_rank[0]["memory"])]
     curves = {key: [(n, _mean(r["curves"][key][i][1] for r in per_rank)) for i, (n, _) in enumerate(points)]
               for key, points in per_rank[0]["curves"].items()}  # fmt: skip
-    return {"curve": curve, "memory": memory, "collectives": collectives, "curves": curves,
+    return {"curve": curve, "memory": memory, "attention": attention, "collectives": collectives, "curves": curves,
             "cpu_share": min(r.get("cpu_share", 1.0) for r in per_rank)}  # fmt: skip
 
 
@@ -259,7 +305,7 @@ def host_memory_bytes() -> float:
 
 def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
     curve = measured["curve"]
-    points = ", ".join(f"[{f:.4g}, {r / 1e12:.6g}]" for f, r in curve)
+    points = _tflops_points(curve)
     memory = ", ".join(f"[{size:.0f}, {rate / 1e9:.4g}]" for size, rate in measured["memory"])
     return ["[[devices]]", f'name = "{name}-cpu"',
             f"peak_tflops = {max(r for _, r in curve) / 1e12:.6g}    # fastest measured fp32 GEMM",
@@ -267,7 +313,22 @@ def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
             "largest tensors",
             f"memory_curve = [{memory}]    # [tensor bytes, GB/s]",
             f"memory_gib = {host_memory_bytes() / ranks / 2**30:.4g}    # host memory / ranks",
-            "element_bytes = 4    # fp32", f"gemm_curve = [{points}]    # [FLOPs, TFLOP/s]"]  # fmt: skip
+            "element_bytes = 4    # fp32", f"gemm_curve = [{points}]    # [FLOPs, TFLOP/s]",
+            *_attention_lines(measured.get("attention", []))]  # fmt: skip
+
+
+def _attention_lines(attention: list[tuple[float, float]]) -> list[str]:
+    """The device's ``attention_curve`` line; none when the kernel was not measured."""
+    if not attention:
+        return []
+    return [
+        f"attention_curve = [{_tflops_points(attention)}]    # [FLOPs, TFLOP/s] of causal SDPA, forward and backward"
+    ]
+
+
+def _tflops_points(curve: list[tuple[float, float]]) -> str:
+    """``(flops, flop_per_s)`` points as the spec's ``[FLOPs, TFLOP/s]`` list items."""
+    return ", ".join(f"[{f:.4g}, {r / 1e12:.6g}]" for f, r in curve)
 
 
 def _link_lines(collectives: dict[int, tuple[float, float]]) -> tuple[list[str], list[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from loomtrain.planner.arch import ARCH_PRESETS, Architecture, from_model_config
@@ -99,8 +100,19 @@ def report(result: SearchResult, spec: ClusterSpec, arch: Architecture, top: int
     if result.rejected:
         lines += ["", "rejected:"] + [f"  {n:,} {REASONS[r]}" for r, n in sorted(result.rejected.items())]
     if not result.plans:
-        lines.append("no layout fits: add GPUs, lower --global-batch or --seq-len, or raise --memory-fraction")
+        lines.append(no_fit_advice(result))
     return "\n".join(lines)
+
+
+def no_fit_advice(result: SearchResult) -> str:
+    """What to change when no layout is left: memory advice only where memory refused layouts."""
+    if result.rejected.get("memory"):
+        return "no layout fits: add GPUs, lower --global-batch or --seq-len, or raise --memory-fraction"
+    return (
+        "no layout divides the work: give a --global-batch that is a multiple of dp for some dp dividing "
+        "--gpus (e.g. a multiple of --gpus), a --seq-len that sp divides, or a --gpus that tp·sp·pp·dp can "
+        "make (see the rejections above)"
+    )
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -126,7 +138,7 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(report(result, spec, arch, args.top, args.gpus))
-    return 0
+    return 0 if result.plans else 1
 
 
 def _bad_numbers(args: argparse.Namespace) -> str:
@@ -149,6 +161,11 @@ def _out_problem(path: Path) -> str:
         return f"{parent} is not a directory"
     if parent is not None and not os.access(parent, os.W_OK):
         return f"{parent} is not writable"
+    try:  # a real file: access() passes for root where the filesystem refuses files (/proc)
+        with tempfile.NamedTemporaryFile(dir=parent or Path.cwd(), prefix=".loomtrain-probe-"):
+            pass
+    except OSError as err:
+        return f"cannot create a file in {parent}: {err.strerror}"
     return ""
 
 

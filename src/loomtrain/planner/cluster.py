@@ -40,6 +40,8 @@ collective figures by group size::
     gemm_curve = [[1e6, 0.01], [1e9, 0.05]]   # optional: measured [FLOPs, TFLOP/s] of GEMMs by size
     memory_curve = [[1048576, 40], [16777216, 12]]  # optional: measured [tensor bytes, GB/s] of
                                 # elementwise kernels by tensor size (memory_gb_per_s: every size)
+    attention_curve = [[4e8, 0.02]]  # optional: measured [FLOPs, TFLOP/s] of the fused attention
+                                # kernel, forward and backward (the roofline without one)
 
     [[hosts]]
     ...
@@ -78,7 +80,7 @@ _HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_
                 "comm_overlap", "collectives", "core_share", *_GROUP_FIELDS}  # fmt: skip
 _CURVE_FIELDS = {"op", "group_size", "bytes", "microseconds"}
 _DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve",
-                  "memory_curve", "source"}  # fmt: skip
+                  "memory_curve", "attention_curve", "source"}  # fmt: skip
 _RATE_FIELDS = ("inter_gb_per_s", "host_gb_per_s")  # exactly one: per device, or per host and shared
 _NETWORK_FIELDS = {*_RATE_FIELDS, "inter_latency_us", "link_efficiency"}
 _TOP_FIELDS = {"name", "source", "hosts", "network", "devices"}
@@ -152,21 +154,24 @@ class ClusterSpec:
 
     def to_cluster(self) -> Cluster:
         """The time model's :class:`~loomtrain.planner.time.Cluster`: the slowest device (lowest
-        achievable GEMM rate, then the least HBM), the fewest devices per host, the slowest intra-host
-        link and its largest latency over all host groups; the total host count."""
+        achievable GEMM rate, then the least HBM), the slowest intra-host link and its largest
+        latency over all host groups, and every device: hosts of the greatest common divisor of the
+        groups' devices per host (1×8 + 1×4 GPUs: 3 hosts of 4), so that a group the time model
+        keeps inside a host is inside one on every host group."""
         slowest = min(self.hosts, key=lambda g: (g.device.peak_flops_per_s * g.gemm_efficiency, g.device.memory_bytes))
         smallest = min(g.device.memory_bytes for g in self.hosts)
         dev = replace(slowest.device, memory_bytes=smallest)
+        per_host = math.gcd(*(g.devices_per_host for g in self.hosts))
         return Cluster(
             device=dev,
             gemm_efficiency=slowest.gemm_efficiency,
-            devices_per_host=min(g.devices_per_host for g in self.hosts),
+            devices_per_host=per_host,
             intra_bytes_per_s=min(g.intra_bytes_per_s for g in self.hosts),
             inter_bytes_per_s=self.inter_bytes_per_s,
             link_efficiency=self.link_efficiency,
             intra_latency_s=max(g.intra_latency_s for g in self.hosts),
             inter_latency_s=self.inter_latency_s,
-            hosts=sum(g.count for g in self.hosts),
+            hosts=self.gpus // per_host,
             name=self.name,
             source=self.source,
             group_links=_slowest_links(self.hosts),
@@ -195,10 +200,13 @@ def _slowest_curves(hosts: tuple[HostGroup, ...]) -> tuple[CollectiveCurve, ...]
 
 
 def _number(where: str, table: dict[str, Any], field: str, low: float, high: float = math.inf) -> float:
+    """``table[field]``, a finite number in ``(low, high]`` (``low < 0``: at least 0)."""
     value = table.get(field)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high:
-        bound = f"in ({low}, {high}]" if high < math.inf else f"above {low}"
-        raise ClusterSpecError(f"{where}.{field}={value!r}: give a number {bound}")
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not low < value <= high:
+        bound = "at least 0" if low < 0 else f"in ({low}, {high}]" if high < math.inf else f"above {low}"
+        found = f"{where}.{field} is missing" if value is None else f"{where}.{field}={value!r}"
+        raise ClusterSpecError(f"{found}: give a finite number {bound}")
     return float(value)
 
 
@@ -298,6 +306,7 @@ def _spec_device(where: str, table: Any) -> Device:
         element_bytes=element_bytes,
         gemm_curve=curve,
         memory_curve=_curve(where, table, "memory_curve", "tensor bytes, GB/s", 1e9),
+        attention_curve=_curve(where, table, "attention_curve", "FLOPs, TFLOP/s", 1e12),
     )
 
 

@@ -76,6 +76,11 @@ class Device:
         memory_curve: measured ``(tensor bytes, bytes/s)`` points of eager elementwise kernels by
             the size of the tensors they stream, sorted by size (a calibrated CPU: a 1 MiB tensor
             stays in cache, a 16 MiB one does not); empty: ``memory_bytes_per_s`` at every size.
+        attention_curve: measured ``(flops, flop_per_s)`` points of the fused attention kernel,
+            forward and backward together, by the FLOPs of one head of one sequence as
+            :func:`attention_kernels` counts them (its rate follows the sequence length, not the
+            number of heads); a calibrated CPU, whose attention kernel runs at half its GEMM rate
+            or less. Empty: the roofline prices it.
     """
 
     name: str
@@ -90,6 +95,7 @@ class Device:
     element_bytes: int = BYTES_BF16
     gemm_curve: tuple[tuple[float, float], ...] = ()
     memory_curve: tuple[tuple[float, float], ...] = ()
+    attention_curve: tuple[tuple[float, float], ...] = ()
 
     def gemm_rate(self, flops: float) -> float:
         """FLOP/s of a kernel of ``flops`` FLOP: the measured curve interpolated linearly in
@@ -316,13 +322,18 @@ def attention_kernels(model: Architecture | Any, seq_len: int, micro_batch: int,
 
 def attention_times(arch: Architecture, seq_len: int, micro_batch: int, tp: int, dev: Device,
                     waves: bool = False) -> tuple[float, float]:  # fmt: skip
-    """``(forward, backward)`` seconds of one block's attention core (fused kernel or its two GEMMs)."""
+    """``(forward, backward)`` seconds of one block's attention core (fused kernel or its two GEMMs).
+    The fused kernel at ``dev.attention_curve``'s rate for the forward and backward FLOPs of one
+    head's sequence where the device has that curve, else at the roofline (:meth:`Kernel.seconds`)."""
     fused, fused_backward = attention_kernels(arch, seq_len, micro_batch, tp, dev.element_bytes)
     gemms = attention_gemms(arch, seq_len, micro_batch, tp)
-    forward = fused.seconds(dev) + sum(g.seconds(dev, waves) for g in gemms)
-    backward = fused_backward.seconds(dev) + sum(
-        g.input_grad().seconds(dev, waves) + g.weight_grad().seconds(dev, waves) for g in gemms
-    )
+    fused_f, fused_b = fused.seconds(dev), fused_backward.seconds(dev)
+    if dev.attention_curve and fused.flops:
+        heads = micro_batch * arch.n_heads // tp
+        rate = log_interpolate(dev.attention_curve, (fused.flops + fused_backward.flops) / heads)
+        fused_f, fused_b = fused.flops / rate, fused_backward.flops / rate
+    forward = fused_f + sum(g.seconds(dev, waves) for g in gemms)
+    backward = fused_b + sum(g.input_grad().seconds(dev, waves) + g.weight_grad().seconds(dev, waves) for g in gemms)
     return forward, backward
 
 

@@ -91,6 +91,10 @@ class Layout:
             all-reduce, or Megatron SP's all-gather) runs under the weight-gradient GEMMs of the
             linears whose input it serves (Megatron-LM from 2022: Korthikanti et al. 2022 §6);
             False: after them (Megatron-LM 2021, loomtrain).
+        zero_gather_copies: ZeRO copies each all-gather's own shard into the send buffer and the
+            gathered buffer into the parameters (loomtrain's ``zero_layout.py``); False: the gathers
+            land in the parameters' storage (the published DeepSpeed runs, whose copies, if any,
+            are not known: :func:`~loomtrain.planner.time.grad_passes_seconds`).
 
     Raises:
         ValueError: a degree or size below 1, an unknown ``zero_stage``, ``schedule`` or
@@ -114,6 +118,7 @@ class Layout:
     precision: Precision = field(default=FP32_ADAM)
     overlap_grad_reduce: bool = True
     overlap_tp_backward: bool = False
+    zero_gather_copies: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "dp_replicate", "n_micro", "virtual_stages"):
@@ -134,8 +139,20 @@ class Layout:
 
     @property
     def dp_shard(self) -> int:
-        """Ranks ZeRO shards over: ``dp / dp_replicate``."""
+        """Data-parallel ranks of a ZeRO shard group: ``dp / dp_replicate``."""
         return self.dp // self.dp_replicate
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks that average each gradient: ``dp · sp`` (Ulysses' ranks hold the same weights and
+        see different tokens, so they average gradients as data parallelism does: loomtrain's
+        ``dp_sp`` axis, DeepSpeed-Ulysses' ZeRO over data × sequence parallel ranks)."""
+        return self.dp * self.sp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO shards over: ``dp_shard · sp`` (loomtrain's ``dp_shard_sp`` axis)."""
+        return self.dp_shard * self.sp
 
     @property
     def gpus(self) -> int:
@@ -153,6 +170,7 @@ class MemoryEstimate:
         autocast_copies: cast weight copies held by in-flight micro-batches (0 without autocast).
         params_per_device: parameters (elements) this rank's layers hold before ZeRO sharding.
         layers_in_flight: block-forwards whose activations are held at the peak.
+        logits: the loss's logits at their peak on the last stage (:func:`logits_bytes`).
     """
 
     params: float
@@ -162,11 +180,24 @@ class MemoryEstimate:
     autocast_copies: float
     params_per_device: float
     layers_in_flight: int
+    logits: float = 0.0
 
     @property
     def total(self) -> float:
         """Sum of all kinds, bytes."""
-        return self.params + self.grads + self.optimizer + self.activations + self.autocast_copies
+        return self.params + self.grads + self.optimizer + self.activations + self.autocast_copies + self.logits
+
+
+def logits_bytes(arch: Architecture, layout: Layout) -> float:
+    """Bytes of one micro-batch's logits at the loss, on one rank of the last stage: the
+    ``b · (s/sp) · V/t`` logits in ``activation_bytes``, their fp32 copy (16-bit runs) and the fp32
+    (log-)softmax the cross-entropy saves for backward, alive together (loomtrain's
+    ``parallel_model.py``: ``logits.float()`` into ``F.cross_entropy`` or
+    ``vocab_parallel_cross_entropy``; Megatron-LM's ``output.float()`` likewise). Llama 3's 128K
+    vocabulary at ``b = 4``, ``s = 8192``, ``t = 1``: 42 GB, more than its 8B model's blocks hold."""
+    logits = layout.micro_batch * layout.seq_len / layout.sp * arch.vocab_size / layout.tp
+    element = layout.precision.activation_bytes
+    return logits * (element + (4 if element < 4 else 0) + 4)
 
 
 def model_state_bytes(n_params: float, n_d: int, zero_stage: int, precision: Precision) -> tuple[float, float, float]:
@@ -386,19 +417,23 @@ def device_params(arch: Architecture, layout: Layout) -> float:
 
 
 def estimate(arch: Architecture, layout: Layout) -> MemoryEstimate:
-    """Bytes on pipeline rank 0 for ``arch`` trained with ``layout`` (see :class:`MemoryEstimate`).
+    """Bytes on pipeline rank 0 for ``arch`` trained with ``layout`` (see :class:`MemoryEstimate`),
+    with the last stage's :func:`logits_bytes` added: with ``pp = 1`` rank 0 is the last stage; with
+    more stages the sum bounds both ends (the last stage holds no more activations than rank 0 and
+    a head of the embedding's size).
 
     Activations: :func:`in_flight` chunk-forwards × :func:`layers_per_chunk` × per-layer bytes,
     plus, under full recomputation, one block's unrecomputed activations (the block backward is
     recomputing). Model states: :func:`model_state_bytes` of :func:`device_params` over
-    ``N_d = dp_shard``. Autocast copies: each in-flight chunk keeps its blocks' weight matrices cast to
-    ``activation_bytes`` (none under full recomputation, which drops them with the rest).
+    ``N_d = shard_ranks`` (``dp_shard · sp``). Autocast copies: each in-flight chunk keeps its
+    blocks' weight matrices cast to ``activation_bytes`` (none under full recomputation, which drops
+    them with the rest).
 
     Raises:
         ValueError: as the functions it calls.
     """
     n_params = device_params(arch, layout)
-    params, grads, optimizer = model_state_bytes(n_params, layout.dp_shard, layout.zero_stage, layout.precision)
+    params, grads, optimizer = model_state_bytes(n_params, layout.shard_ranks, layout.zero_stage, layout.precision)
     chunks = in_flight(layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages)
     layers = chunks * layers_per_chunk(arch, layout)
     activations = layers * layer_activation_bytes(arch, layout)
@@ -417,4 +452,5 @@ def estimate(arch: Architecture, layout: Layout) -> MemoryEstimate:
         autocast_copies=copies,
         params_per_device=n_params,
         layers_in_flight=layers,
+        logits=logits_bytes(arch, layout),
     )

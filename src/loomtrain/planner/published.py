@@ -148,11 +148,12 @@ def megatron_layout(dp: int, tp: int, pp: int, n_micro: int, micro_batch: int = 
                     virtual_stages: int = 1, torch_ddp: bool = False) -> Layout:  # fmt: skip
     """A layout as Narayanan et al. ran it: sequence 2,048, full recomputation, fp16 mixed-precision
     Adam, 1F1B (interleaved with ``virtual_stages > 1``), the data-parallel all-reduce under the
-    backward with ``torch_ddp``, after it otherwise (module docstring)."""
+    backward with ``torch_ddp``, after it otherwise (module docstring); ZeRO without loomtrain's
+    parameter copies (``Layout.zero_gather_copies``: DeepSpeed's are not known)."""
     schedule = "interleaved_1f1b" if virtual_stages > 1 else "1f1b"
     return Layout(seq_len=2048, micro_batch=micro_batch, dp=dp, tp=tp, pp=pp, n_micro=n_micro, recompute="full",
                   precision=MIXED_ADAM, zero_stage=zero_stage, schedule=schedule, virtual_stages=virtual_stages,
-                  overlap_grad_reduce=torch_ddp)  # fmt: skip
+                  overlap_grad_reduce=torch_ddp, zero_gather_copies=False)  # fmt: skip
 
 
 def layout_of(run: PublishedRun, micro_batch: int | None = None) -> Layout:

@@ -24,13 +24,14 @@ from loomtrain.planner.arch import Architecture
 from loomtrain.planner.memory import MIXED_ADAM, RECOMPUTE, Layout, Precision, estimate
 from loomtrain.planner.time import Cluster, StepTime, flops_per_step, step_time
 
-# Why a layout was rejected. The first three are counted per (tp, sp[, pp[, b]]) shape, before the
-# layouts of a shape are made; the last two per layout.
+# Why a layout was rejected. The first four are counted per (tp, sp[, pp[, b]]) shape, before the
+# layouts of a shape are made; "interleave" per shape and virtual-stage count; "memory" per layout.
 REASONS = {
     "heads": "tp·sp does not divide the attention or key/value heads (or tp the MLP width) [shapes]",
     "layers": "more pipeline stages than layers [shapes]",
     "batch": "the global batch does not divide by dp·micro_batch [shapes]",
-    "interleave": "interleaved schedule needs the micro-batches to be a multiple of pp [layouts]",
+    "sequence": "sp does not divide the sequence length [shapes]",
+    "interleave": "interleaved schedule needs the micro-batches to be a multiple of pp [shapes × virtual stages]",
     "memory": "predicted memory above the usable share of the device [layouts]",
 }
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -88,8 +89,10 @@ def model_flops(arch: Architecture, layout: Layout) -> float:
     return flops_per_step(arch, replace(layout, recompute="none"))
 
 
-def _shapes(arch: Architecture, world: int, batch: int, counts: collections.Counter) -> list[tuple[int, ...]]:
-    """``(tp, sp, pp, dp, b)`` tuples that divide ``world`` and the batch; counts the rejected ones."""
+def _shapes(arch: Architecture, world: int, batch: int, seq_len: int,
+            counts: collections.Counter) -> list[tuple[int, ...]]:  # fmt: skip
+    """``(tp, sp, pp, dp, b)`` tuples that divide ``world``, the batch and (``sp``) the sequence;
+    counts the rejected ones."""
     shapes = []
     for tp in _powers_of_two(min(world, arch.n_heads)):
         for sp in _powers_of_two(min(world // tp, arch.n_heads // tp)):
@@ -98,9 +101,13 @@ def _shapes(arch: Architecture, world: int, batch: int, counts: collections.Coun
             if not _divides_heads(arch, tp, sp):
                 counts["heads"] += 1
                 continue
+            if seq_len % sp:
+                counts["sequence"] += 1
+                continue
             rest = world // (tp * sp)
-            for pp in sorted({p for p in _powers_of_two(rest)} | {p for p in range(1, rest + 1) if rest % p == 0
-                                                                  and arch.n_layers % p == 0}):  # fmt: skip
+            # Powers of two (uneven stages allowed), and the divisors of the layer count (even stages).
+            even = {p for p in range(1, min(rest, arch.n_layers) + 1) if rest % p == 0 and arch.n_layers % p == 0}
+            for pp in sorted(set(_powers_of_two(rest)) | even):
                 if rest % pp:
                     continue
                 if pp > arch.n_layers:
@@ -147,9 +154,12 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
     for what the memory model leaves out (CUDA context, allocator fragmentation, communication
     buffers, ZeRO-3 gathered layers, the logits: docs/planner.md).
 
+    Returns: the plans, the rejections by reason, and ``considered``: the layouts built (priced or
+    refused for memory; the other reasons refuse whole shapes before their layouts are built).
+
     Raises:
         ValueError: no GPU count (``world`` not given and the cluster has no hosts), more GPUs than the
-            cluster has, or a global batch below 1.
+            cluster has, a global batch below 1, or a sequence longer than ``arch.max_seq_len``.
     """
     world = world or cluster.gpus
     if world < 1 or global_batch < 1:
@@ -157,10 +167,13 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
     if cluster.gpus and world > cluster.gpus:
         raise ValueError(f"--gpus={world} is more than the cluster's {cluster.gpus}; use at most {cluster.gpus}")
     seq_len = seq_len or arch.max_seq_len
+    if not 1 <= seq_len <= arch.max_seq_len:
+        raise ValueError(f"--seq-len={seq_len} must be in 1..{arch.max_seq_len}, the model's max_seq_len "
+                         "(its positions); raise model.max_seq_len in a config to plan longer sequences")  # fmt: skip
     limit = memory_fraction * cluster.device.memory_bytes
     counts: collections.Counter = collections.Counter()
     plans, considered = [], 0
-    for shape in _shapes(arch, world, global_batch, counts):
+    for shape in _shapes(arch, world, global_batch, seq_len, counts):
         for layout in _variants(arch, shape, global_batch, seq_len, precision, cluster, counts):
             considered += 1
             memory = estimate(arch, layout).total
@@ -176,4 +189,4 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
     # memory first; the model does not price their contention for the same cores and links.
     plans.sort(key=lambda p: (p.step.total, RECOMPUTE.index(p.layout.recompute), p.layout.zero_stage,
                               p.memory_bytes))  # fmt: skip
-    return SearchResult(plans[:top] if top else plans, dict(counts), considered + sum(counts.values()))
+    return SearchResult(plans[:top] if top else plans, dict(counts), considered)

@@ -43,7 +43,7 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
   micro-batch (6 bytes against ``8 · b · s`` FLOP per parameter, 2 TB/s against 268 TFLOP/s).
 - ZeRO-3 (Rajbhandari et al. §7.2.2: ``3Ψ`` against data parallelism's ``2Ψ``): every micro-batch
   all-gathers the stage's parameters for its forward, again for a recomputed forward, again for its
-  backward, and reduce-scatters its gradients, over the ``dp_shard`` ranks, layer by layer; prefetching
+  backward, and reduce-scatters its gradients, over the ``dp_shard · sp`` ranks, layer by layer; prefetching
   overlaps them with compute (DeepSpeed's ``stage3_prefetch_bucket_size``, ``overlap_comm``), so a
   micro-batch's forward takes the longer of its compute and its gathers, its backward likewise.
 """
@@ -305,6 +305,7 @@ class StepTime:
         zero3_comm: one micro-batch's ZeRO-3 gathers and reduce-scatter (overlapped with compute).
         grad_accumulation: the step's gradient accumulation (:func:`grad_accumulation_seconds`),
             spread over the micro-batches' backwards inside ``pipeline``.
+        grad_passes: the passes over gradients and ZeRO's copies (:func:`grad_passes_seconds`).
     """
 
     forward: float
@@ -317,11 +318,12 @@ class StepTime:
     optimizer: float
     zero3_comm: float = 0.0
     grad_accumulation: float = 0.0
+    grad_passes: float = 0.0
 
     @property
     def total(self) -> float:
         """Seconds per step."""
-        return self.pipeline + self.dp_exposed + self.optimizer
+        return self.pipeline + self.dp_exposed + self.optimizer + self.grad_passes
 
 
 def _host_streams(stride: int, size: int, cluster: Cluster) -> int:
@@ -493,14 +495,15 @@ def tp_backward_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
 def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch's ZeRO-3 collectives on the stage: the
     parameters all-gathered (``precision.param_bytes`` each) for forward, for the recomputed forward
-    and for backward, the gradients reduce-scattered (``grad_bytes``), over the ``dp_shard`` ranks,
-    one collective per block (each paying the ring's latency). ``(0, 0)`` below stage 3."""
-    n = layout.dp_shard
+    and for backward, the gradients reduce-scattered (``grad_bytes``), over the ``shard_ranks``
+    (``dp_shard · sp``, ``tp`` apart), one collective per block (each paying the ring's latency).
+    ``(0, 0)`` below stage 3."""
+    n = layout.shard_ranks
     if layout.zero_stage < 3 or n == 1:
         return 0.0, 0.0
     layers = stage_blocks(arch, layout)
     per_layer = device_params(arch, layout) / layers
-    streams, p = _host_streams(layout.tp * layout.sp, n, cluster), layout.precision
+    streams, p = _host_streams(layout.tp, n, cluster), layout.precision
     gather = layers * cluster.collective_seconds("all_gather", per_layer * p.param_bytes, n, streams)
     scatter = layers * cluster.collective_seconds("reduce_scatter", per_layer * p.grad_bytes, n, streams)
     gathers_in_backward = 2 if layout.recompute == "full" else 1
@@ -531,18 +534,19 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
 
 
 def dp_all_reduce_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
-    """The gradient sync of a step over the data-parallel ranks: ZeRO 0, an all-reduce of all of
-    ``params``' gradients over ``dp``; ZeRO 1-2 as ``distributed/zero.py`` runs them, block by block:
+    """The gradient sync of a step over the ranks that average gradients (``grad_ranks``: ``dp · sp``,
+    ``tp`` apart): ZeRO 0, an all-reduce of all of ``params``' gradients; ZeRO 1-2 as
+    ``distributed/zero.py`` runs them, block by block:
     the gradients all-reduced (stage 1) or reduce-scattered (stage 2; Rajbhandari et al. 2020 §7) and
     the updated parameters all-gathered before the next forward; ZeRO-3 with ``dp_replicate > 1``
-    (HSDP), an all-reduce of the ``1/dp_shard`` shard over the replicas; 0 otherwise. Each
+    (HSDP), an all-reduce of the ``1/shard_ranks`` shard over the replicas; 0 otherwise. Each
     collective is priced by :meth:`Cluster.collective_seconds` (measured curves where the spec has them)."""
     grad_bytes = params * layout.precision.grad_bytes
-    inner = layout.tp * layout.sp
+    shard = layout.shard_ranks
     if layout.zero_stage == 3:
-        ranks, stride, grad_bytes = layout.dp_replicate, inner * layout.dp_shard, grad_bytes / layout.dp_shard
+        ranks, stride, grad_bytes = layout.dp_replicate, layout.tp * shard, grad_bytes / shard
     else:
-        ranks, stride = layout.dp, inner
+        ranks, stride = layout.grad_ranks, layout.tp
     streams = _host_streams(stride, ranks, cluster)
     if layout.zero_stage not in (1, 2):
         return cluster.collective_seconds("all_reduce", grad_bytes, ranks, streams)
@@ -566,10 +570,37 @@ def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, para
     (:meth:`~loomtrain.planner.cost.Device.memory_rate`: an MLP matrix, ``h·f/t`` elements, over the
     ZeRO shard)."""
     p = layout.precision
-    split = layout.dp_shard if layout.zero_stage >= 1 else 1
+    split = layout.shard_ranks if layout.zero_stage >= 1 else 1
     per_param = 2 * p.param_bytes + p.grad_bytes + 2 * p.optimizer_bytes
     largest = largest_matrix(arch, layout) / split * p.param_bytes
     return params / split * per_param / cluster.device.memory_rate(largest)
+
+
+def grad_passes_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
+    """Seconds per step one rank spends on the memory-bound passes around the gradient sync, as
+    ``distributed/data_parallel.py``, ``zero.py`` and ``clip.py`` run them, at the memory rate of the
+    largest tensor (:func:`optimizer_seconds`). Over the ``G = params · grad_bytes`` of the stage's
+    gradient: without ZeRO the buckets zeroed (``G``) and, for ``dp · sp > 1``, divided before
+    the sum all-reduce (read and write, ``2G``); under ZeRO each unit's gradients copied into the
+    rank-major buffer (``2G``) and divided (``2G``). Then clipping over the rank's gradient (``G``,
+    or its ``1/shard_ranks`` shard under ZeRO): the norm reads it, the scale reads and writes it
+    (``3×``; Megatron-LM and loomtrain clip every step, 1.0 by default). ZeRO's parameter copies: each
+    all-gather's own shard packed and the whole parameters unpacked (``2·P/shard_ranks + 2·P``,
+    ``P = params · param_bytes``), once per step under stages 1-2, for every gather of every
+    micro-batch under stage 3 (:func:`zero3_seconds`' count), where ``layout.zero_gather_copies``
+    (loomtrain's ZeRO). A few percent of a CPU step: dp 2 of the own-run model moves 300 MB, 19 ms
+    at this machine's calibrated 16 GB/s (in-place passes over 50 MB measured 12-13 ms)."""
+    p, n = layout.precision, layout.shard_ranks
+    grads = params * p.grad_bytes
+    rate = cluster.device.memory_rate(largest_matrix(arch, layout) * p.grad_bytes)
+    averaged = 2 * grads if layout.grad_ranks > 1 else 0.0
+    if layout.zero_stage == 0:
+        return (grads + averaged + 3 * grads) / rate
+    gathers = layout.n_micro * (2 + (layout.recompute == "full")) if layout.zero_stage == 3 else 1
+    if n == 1 or not layout.zero_gather_copies:
+        gathers = 0
+    copies = gathers * params * p.param_bytes * (2 / n + 2)
+    return (2 * grads + averaged + 3 * grads / n + copies) / rate
 
 
 def grad_accumulation_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
@@ -624,6 +655,7 @@ def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
         optimizer=optimizer_seconds(arch, layout, cluster, params),
         zero3_comm=sum(zero3_seconds(arch, layout, cluster)),
         grad_accumulation=accumulation,
+        grad_passes=grad_passes_seconds(arch, layout, cluster, params),
     )
 
 
