@@ -31,7 +31,8 @@ What each rank measures, all ranks at once:
   all-to-all) at each of :data:`CURVE_BYTES`, the curves the time model reads
   (:meth:`~loomtrain.planner.time.Cluster.collective_seconds`): two points and a ring formula
   mispriced gloo here (a 1 MiB all-reduce over 4 ranks took 7 ms against the formula's 4, and
-  a 64 KiB one as long as the 1 MiB one).
+  a 64 KiB one as long as the 1 MiB one). Each call follows a compute burst, as in a step
+  (:func:`_timed_collective`).
 - **Whether collectives hide under compute** (``comm_overlap``): not when the ranks take every
   core, as gloo's reductions and the kernel's socket copies then run on the cores the compute
   needs (on the own-run check, docs/planner.md, pricing them unhidden took the error from 13.5 %
@@ -75,6 +76,8 @@ COLLECTIVE_CALLS = 20
 # Calls of a curve's collective by message size: about 0.1 s of calls or more at this machine's
 # 0.5-2 ms per small message (fewer calls left the 4 KiB figure twice the 64 KiB one).
 CURVE_CALLS = {4 * 2**10: 100, 64 * 2**10: 100, 2**20: 50, 8 * 2**20: 20}
+# The compute before each timed collective of a curve (m, k, n of a GEMM): _timed_collective.
+BURST_SHAPE = (512, 512, 1024)
 # Collectives in a new group before it is timed (gloo connects a group's pairs lazily, on first use).
 GROUP_WARMUP_CALLS = 10
 log = logging.getLogger(__name__)
@@ -213,15 +216,29 @@ def _timed_all_reduce(nbytes: int, group) -> float:
 def _timed_collective(op: str, nbytes: int, size: int, group) -> float:
     """Mean seconds of one ``op`` in ``group`` (``size`` ranks) on the fp32 buffers of
     :func:`~loomtrain.collective_bench.collective_buffers` whose message is ``nbytes`` (nccl-tests'
-    size, rounded down to whole ``4·size``-byte chunks), over :data:`CURVE_CALLS` calls back
-    to back after one barrier, as nccl-tests time theirs: each call waits for every rank of the
-    group, so the calls keep the ranks together. Not a barrier before each call with the barrier's
-    own mean taken off: at 2 ranks a barrier's time varies by as much as a small message takes, and
-    the difference came out at or below zero."""
+    size, rounded down to whole ``4·size``-byte chunks), as a training step meets it: each of
+    :data:`CURVE_CALLS` calls follows a compute burst (:func:`_burst`), and the burst's own mean,
+    timed alone over as many calls with every rank computing, is taken off. The burst evicts the
+    buffers from the core's cache and the ranks finish it at different moments, as they finish a
+    block: back to back (nccl-tests' way), a 1 MiB all-reduce over 2 ranks here took 0.8-2.5 ms,
+    after 3.5-14 ms of GEMMs 2.3-3.5 ms, and tensor-parallel layouts, whose all-reduces all follow
+    compute, were priced 20-24 % fast. Not a barrier before each call with the barrier's own mean
+    taken off: at 2 ranks a barrier's time varies by as much as a small message takes."""
     out, t, _ = collective_buffers(op, nbytes, size)
-    run = flat_op(op, group)
+    run, burst, calls = flat_op(op, group), _burst(), CURVE_CALLS[nbytes]
     dist.barrier()
-    return _mean_seconds(lambda: run(out, t), calls=CURVE_CALLS[nbytes])
+    alone = _mean_seconds(burst, calls=calls)
+    dist.barrier()
+    both = _mean_seconds(lambda: (burst(), run(out, t)), calls=calls)
+    return max(both - alone, 1e-7)
+
+
+def _burst():
+    """A GEMM of :data:`BURST_SHAPE` (fp32, about 2.5 ms on a core here; its 5 MB of operands and
+    output are more than a core's L2) as a call without arguments."""
+    m, k, n = BURST_SHAPE
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return lambda: torch.mm(a, b)
 
 
 def measure_collectives(ranks: int) -> tuple[dict[int, tuple[float, float]], dict[tuple[str, int], list]]:

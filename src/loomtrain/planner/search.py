@@ -152,7 +152,7 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
 
     ``memory_fraction``: the share of device memory the predicted bytes may fill; the rest is left
     for what the memory model leaves out (CUDA context, allocator fragmentation, communication
-    buffers, ZeRO-3 gathered layers, the logits: docs/planner.md).
+    buffers, ZeRO-3 gathered layers: docs/planner.md).
 
     Returns: the plans, the rejections by reason, and ``considered``: the layouts built (priced or
     refused for memory; the other reasons refuse whole shapes before their layouts are built).
