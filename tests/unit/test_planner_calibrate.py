@@ -90,6 +90,8 @@ def test_collectives_add_to_the_step_where_they_cannot_hide():
     [
         ([{**CPU, "element_bytes": 3}], {}, r"s.devices\[0\].element_bytes=3: give 1, 2, 4 or 8"),
         ([{**CPU, "gemm_curve": [[1e6]]}], {}, r"s.devices\[0\].gemm_curve=.*\[FLOPs, TFLOP/s\] pairs"),
+        ([{**CPU, "attention_curve": [[1e6, float("inf")]]}], {}, r"attention_curve=.*positive and finite"),
+        ([{**CPU, "memory_curve": [[True, 1.0]]}], {}, r"memory_curve=\[\[True, 1.0\]\]: give"),
         ([{**CPU, "name": "a100"}], {}, r"s.devices\[0\].name='a100' is already a device"),
         ([{**CPU, "speed": 1}], {}, r"s.devices\[0\]: unknown field\(s\) speed"),
         ([CPU], {"group_gb_per_s": [1.0]}, r"s.hosts\[0\].group_gb_per_s=\[1.0\]: give a list of 2 numbers"),
@@ -100,7 +102,8 @@ def test_collectives_add_to_the_step_where_they_cannot_hide():
     ],
 )
 def test_bad_device_and_group_fields_are_named(devices, host, message):
-    """Catches: a malformed measured spec accepted (a curve point without its rate, 3-byte elements,
+    """Catches: a malformed measured spec accepted (a curve point without its rate, an infinite rate
+    (a fresh user's break test: a NaN plan ranked first) or a boolean size, 3-byte elements,
     a device shadowing the datasheet table, group lists of unequal length, a curve faster than the
     peak (MFU above 100 %), a group larger than its host) or an error not naming the field."""
     with pytest.raises(ClusterSpecError, match=message):

@@ -127,6 +127,16 @@ def test_sequences_sp_cannot_split_are_refused_not_crashed():
         search(GPT3_175B, DGX_A100, 8, seq_len=4096, world=8)
 
 
+def test_ulysses_alone_gets_zero_stages():
+    """Catches (a fresh user's break test): layouts of dp 1 × sp > 1 searched with ZeRO 0 only, though
+    ZeRO shards over dp · sp (llama3-8b on 8 GPUs at batch 1: tp 2 × sp 4 with ZeRO-1 priced faster
+    than the printed best, never built)."""
+    arch = resolve_model("llama3-8b")
+    plans = search(arch, replace(DGX_A100, hosts=1), 1, seq_len=8192, world=8).plans
+    ulysses = [p.layout for p in plans if p.layout.dp == 1 and p.layout.sp > 1]
+    assert ulysses and {layout.zero_stage for layout in ulysses} == {0, 1, 2, 3}
+
+
 def test_no_layout_advice_names_what_refused_them(capsys):
     """Catches (a fresh user's break test): a global batch no dp divides (8 sequences on 7 GPUs) answered
     with "add GPUs" (which makes it worse) and exit status 0; and "layouts considered" counting the

@@ -274,11 +274,15 @@ def _curve(where: str, table: dict[str, Any], field: str, units: str, scale: flo
         return ()
     value = table[field]
     ok = isinstance(value, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int | float) and x > 0 for x in p) for p in value
+        isinstance(p, list) and len(p) == 2 and all(_positive_finite(x) for x in p) for p in value
     )
     if not ok or not value:
-        raise ClusterSpecError(f"{where}.{field}={value!r}: give a list of [{units}] pairs, both positive")
+        raise ClusterSpecError(f"{where}.{field}={value!r}: give a list of [{units}] pairs, both positive and finite")
     return tuple(sorted((float(f), float(r) * scale) for f, r in value))
+
+
+def _positive_finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def _spec_device(where: str, table: Any) -> Device:

@@ -189,15 +189,20 @@ class MemoryEstimate:
 
 
 def logits_bytes(arch: Architecture, layout: Layout) -> float:
-    """Bytes of one micro-batch's logits at the loss, on one rank of the last stage: the
-    ``b · (s/sp) · V/t`` logits in ``activation_bytes``, their fp32 copy (16-bit runs) and the fp32
-    (log-)softmax the cross-entropy saves for backward, alive together (loomtrain's
-    ``parallel_model.py``: ``logits.float()`` into ``F.cross_entropy`` or
-    ``vocab_parallel_cross_entropy``; Megatron-LM's ``output.float()`` likewise). Llama 3's 128K
-    vocabulary at ``b = 4``, ``s = 8192``, ``t = 1``: 42 GB, more than its 8B model's blocks hold."""
+    """Peak bytes of one micro-batch's logits at the loss, on one rank of the last stage, for the
+    ``b · (s/sp) · V/t`` logits, as loomtrain's ``parallel_model.py`` computes the loss (measured with
+    an allocation tracker on PyTorch's dispatch, per logit): ``F.cross_entropy`` (Llama at
+    ``t = 1``) peaks in backward at 12 bytes, the saved fp32 log-softmax, its output gradient and the
+    input gradient alive together (its forward: 8 in fp32, 10 in bf16); the vocabulary-parallel
+    cross-entropy (``t > 1``, and GPT's Megatron-LM loss at every ``t``) in forward at the logits, their
+    fp32 copy (16-bit runs), the shifted logits and their exponentials: 14 bytes in bf16, 12 in fp32.
+    Llama 3's 128K vocabulary at ``b = 4``, ``s = 8192``, ``t = 1``: 50 GB, more than its 8B model's
+    blocks hold."""
     logits = layout.micro_batch * layout.seq_len / layout.sp * arch.vocab_size / layout.tp
+    if layout.tp == 1 and arch.family != "gpt":
+        return 12 * logits
     element = layout.precision.activation_bytes
-    return logits * (element + (4 if element < 4 else 0) + 4)
+    return logits * (element + (4 if element < 4 else 0) + 8)
 
 
 def model_state_bytes(n_params: float, n_d: int, zero_stage: int, precision: Precision) -> tuple[float, float, float]:
@@ -425,15 +430,19 @@ def estimate(arch: Architecture, layout: Layout) -> MemoryEstimate:
     Activations: :func:`in_flight` chunk-forwards × :func:`layers_per_chunk` × per-layer bytes,
     plus, under full recomputation, one block's unrecomputed activations (the block backward is
     recomputing). Model states: :func:`model_state_bytes` of :func:`device_params` over
-    ``N_d = shard_ranks`` (``dp_shard · sp``). Autocast copies: each in-flight chunk keeps its
-    blocks' weight matrices cast to ``activation_bytes`` (none under full recomputation, which drops
-    them with the rest).
+    ``N_d = shard_ranks`` (``dp_shard · sp``), except that with several micro-batches the gradients
+    are whole under every stage (``distributed/zero.py`` accumulates them under ``no_sync`` and
+    reduces at the last micro-batch; DeepSpeed's ZeRO-2 reduces every micro-batch instead).
+    Autocast copies: each in-flight chunk keeps its blocks' weight matrices cast to
+    ``activation_bytes`` (none under full recomputation, which drops them with the rest).
 
     Raises:
         ValueError: as the functions it calls.
     """
     n_params = device_params(arch, layout)
     params, grads, optimizer = model_state_bytes(n_params, layout.shard_ranks, layout.zero_stage, layout.precision)
+    if layout.n_micro > 1:  # loomtrain's ZeRO accumulates whole gradients and reduces at the last micro-batch
+        grads = max(grads, layout.precision.grad_bytes * n_params)
     chunks = in_flight(layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages)
     layers = chunks * layers_per_chunk(arch, layout)
     activations = layers * layer_activation_bytes(arch, layout)

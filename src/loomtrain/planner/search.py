@@ -127,7 +127,7 @@ def _variants(arch: Architecture, shape: tuple[int, ...], batch: int, seq_len: i
     """Every Layout of one shape: schedules, ZeRO stages (and HSDP at stage 3), SP, recomputation."""
     tp, sp, pp, dp, b = shape
     n_micro = batch // (dp * b)
-    zeros = [(0, 1)] if dp == 1 else [(z, 1) for z in range(4)]
+    zeros = [(0, 1)] if dp * sp == 1 else [(z, 1) for z in range(4)]  # ZeRO shards over dp · sp
     in_host = max(1, cluster.devices_per_host // (tp * sp))
     if dp > in_host > 1 and dp % in_host == 0:
         zeros.append((3, dp // in_host))
