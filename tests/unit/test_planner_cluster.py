@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 from loomtrain.cli import COMMANDS, PARSERS
+from loomtrain.planner import cli as planner_cli
 from loomtrain.planner.arch import GPT3_175B, gpt
 from loomtrain.planner.cli import cmd_plan, resolve_model
 from loomtrain.planner.cluster import SPEC_DIR, ClusterSpecError, load_cluster_spec, parse_cluster_spec
-from loomtrain.planner.memory import estimate
+from loomtrain.planner.memory import MIXED_ADAM, estimate, precision_for
 from loomtrain.planner.search import search
 from loomtrain.planner.time import DGX_A100, DGX_H100, step_time
 
@@ -187,3 +188,18 @@ def test_plan_takes_a_loomtrain_config_and_refuses_more_gpus_than_the_cluster(tm
     assert cmd_plan(["--model", str(config), "--cluster", "dgx-a100", "--global-batch", "16", "--gpus", "8"]) == 0
     assert cmd_plan(["--model", str(config), "--cluster", "dgx-a100", "--global-batch", "16", "--gpus", "2048"]) == 2
     assert "--gpus=2048 is more than the cluster's 1024" in capsys.readouterr().err
+
+
+def test_plan_prices_a_config_in_its_own_dtype(tmp_path, monkeypatch):
+    """Catches (a fresh user's break test): `plan --model config.toml` pricing an fp32 config in bf16
+    mixed precision while `--parallel.auto` priced it in fp32, two prices for one layout."""
+    seen = []
+    monkeypatch.setattr(planner_cli, "search", lambda *args, **kwargs: seen.append(kwargs["precision"]) or
+                        search(*args, **kwargs))  # fmt: skip
+    for dtype in ("fp32", "bf16"):
+        config = tmp_path / f"{dtype}.toml"
+        config.write_text(f"[model]\nn_layers = 2\ndim = 128\nn_heads = 4\nvocab_size = 100\nmax_seq_len = 64\n"
+                          f"[training]\ndtype = \"{dtype}\"\n")  # fmt: skip
+        assert cmd_plan(["--model", str(config), "--cluster", "dgx-a100", "--global-batch", "8", "--gpus", "2"]) == 0
+    assert cmd_plan(["--model", "llama3.2-1b", "--cluster", "dgx-a100", "--global-batch", "8", "--gpus", "8"]) == 0
+    assert seen == [precision_for("fp32", 0), precision_for("bf16", 0), MIXED_ADAM]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loomtrain.planner.arch import ARCH_PRESETS, Architecture, from_model_config
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec
+from loomtrain.planner.memory import MIXED_ADAM, Precision, precision_for
 from loomtrain.planner.search import REASONS, Plan, SearchResult, search
 
 EXIT_USAGE = 2
@@ -67,6 +68,19 @@ def resolve_model(name: str) -> Architecture:
         return from_model_config(cfg.model.model_copy(update={"vocab_size": vocab_size(cfg)}), Path(name).stem)
     known = ", ".join([*PRESETS, *ARCH_PRESETS])
     raise ValueError(f"--model={name!r}: not a file and not a preset; presets: {known}")
+
+
+def resolve_precision(name: str) -> Precision:
+    """The element sizes ``--model`` is planned with: a loomtrain config's ``training.dtype`` (the
+    ZeRO-0 precision of :func:`~loomtrain.planner.memory.precision_for`, as ``--parallel.auto``
+    plans it), else bf16 mixed precision with fp32 masters (``MIXED_ADAM``: the presets are planned
+    for GPUs). A fresh user's break test found an fp32 CPU config planned in bf16 by ``plan`` and in
+    fp32 by ``--parallel.auto``, so the same layout had two prices."""
+    if not Path(name).is_file() or name in ARCH_PRESETS:
+        return MIXED_ADAM
+    from loomtrain.config import load_config
+
+    return precision_for(load_config(name).training.dtype, 0)
 
 
 def _count(n: float) -> str:
@@ -133,7 +147,7 @@ def cmd_plan(argv: list[str]) -> int:
         arch = resolve_model(args.model)
         spec = load_cluster_spec(args.cluster)
         result = search(arch, spec.to_cluster(), args.global_batch, seq_len=args.seq_len, world=args.gpus,
-                        memory_fraction=args.memory_fraction)  # fmt: skip
+                        precision=resolve_precision(args.model), memory_fraction=args.memory_fraction)  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
