@@ -62,7 +62,10 @@ from loomtrain.collective_bench import bus_factor, collective_buffers, flat_op
 from loomtrain.distributed.collectives import OPS
 from loomtrain.hardware import device_name, usable_cpus
 from loomtrain.models.llama import apply_rotary, rope_cache
+from loomtrain.planner.arch import Architecture
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec, parse_cluster_spec
+from loomtrain.planner.memory import FP32_ADAM, Layout
+from loomtrain.planner.time import elementwise_bytes
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)
 # The attention kernel's timed shapes: (batch · heads) sequences of these lengths, head size 64.
@@ -170,8 +173,8 @@ def measure_memory_bandwidth(rows: int) -> float:
     rotary embedding of the queries and keys on their head-major views, the attention output's
     copy back to token-major, two residual adds, SiLU and the gate product.
 
-    Bytes are counted as the time model counts a block's (``planner/time.py``'s
-    ``elementwise_bytes``, ``32h + 10·kv + 5f`` elements per token forward, backward twice that).
+    Bytes are the time model's count for this block (``planner/time.py``'s ``elementwise_bytes``,
+    ``32h + 10·kv + 5f`` elements per token forward, backward twice that).
     Not STREAM's preallocated ``c = a + b``: the rate takes in what these kernels pay beyond their
     bytes (strided head-major views, allocation, autograd), so that the time model's byte count
     prices them at what they take.
@@ -194,7 +197,8 @@ def measure_memory_bandwidth(rows: int) -> float:
         outputs = [norm(x), *rotated, hidden + norm(hidden), F.silu(a) * b]
         torch.autograd.backward(outputs, grads)
 
-    forward_bytes = (32 * h + 10 * h + 5 * EAGER_FFN) * rows * 4
+    block = Architecture("llama", 1, h, heads, heads, EAGER_FFN, 1, rows, False)
+    forward_bytes = elementwise_bytes(block, Layout(seq_len=rows, precision=FP32_ADAM))
     return 3 * forward_bytes / _mean_seconds(step, warmup_s=EAGER_WARMUP_S)
 
 
@@ -291,8 +295,7 @@ def combine(per_rank: list[dict]) -> dict:
     curve, memory, attention = (_pointwise_mean(per_rank, key) for key in ("curve", "memory", "attention"))
     sizes = sorted(per_rank[0]["collectives"])
     collectives = {g: tuple(_mean(r["collectives"][g][j] for r in per_rank) for j in (0, 1)) for g in sizes}
-    curves = {key: [(n, _mean(r["curves"][key][i][1] for r in per_rank)) for i, (n, _) in enumerate(points)]
-              for key, points in per_rank[0]["curves"].items()}  # fmt: skip
+    curves = {key: _pointwise_mean([r["curves"] for r in per_rank], key) for key in per_rank[0]["curves"]}
     return {"curve": curve, "memory": memory, "attention": attention, "collectives": collectives, "curves": curves,
             "cpu_share": min(r.get("cpu_share", 1.0) for r in per_rank)}  # fmt: skip
 

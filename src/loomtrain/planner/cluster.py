@@ -202,8 +202,7 @@ def _slowest_curves(hosts: tuple[HostGroup, ...]) -> tuple[CollectiveCurve, ...]
 def _number(where: str, table: dict[str, Any], field: str, low: float, high: float = math.inf) -> float:
     """``table[field]``, a finite number in ``(low, high]`` (``low < 0``: at least 0)."""
     value = table.get(field)
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or not low < value <= high:
+    if not _finite(value) or not low < value <= high:
         bound = "at least 0" if low < 0 else f"in ({low}, {high}]" if high < math.inf else f"above {low}"
         found = f"{where}.{field} is missing" if value is None else f"{where}.{field}={value!r}"
         raise ClusterSpecError(f"{found}: give a finite number {bound}")
@@ -274,15 +273,16 @@ def _curve(where: str, table: dict[str, Any], field: str, units: str, scale: flo
         return ()
     value = table[field]
     ok = isinstance(value, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(_positive_finite(x) for x in p) for p in value
+        isinstance(p, list) and len(p) == 2 and all(_finite(x) and x > 0 for x in p) for p in value
     )
     if not ok or not value:
         raise ClusterSpecError(f"{where}.{field}={value!r}: give a list of [{units}] pairs, both positive and finite")
     return tuple(sorted((float(f), float(r) * scale) for f, r in value))
 
 
-def _positive_finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+def _finite(x: Any) -> bool:
+    """A TOML number (not a boolean, which Python counts as an int) other than ``inf`` or ``nan``."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _spec_device(where: str, table: Any) -> Device:
