@@ -10,8 +10,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from loomtrain.config import ModelConfig
 from loomtrain.distributed.collectives import OPS
+from loomtrain.models.llama import TransformerBlock, rope_cache
 from loomtrain.planner import calibrate as calibrate_module
 from loomtrain.planner.arch import from_model_config
 from loomtrain.planner.calibrate import (
@@ -25,16 +30,20 @@ from loomtrain.planner.calibrate import (
 from loomtrain.planner.cli import cmd_plan
 from loomtrain.planner.cluster import ClusterSpecError, parse_cluster_spec
 from loomtrain.planner.cost import DEVICES, Gemm, attention_kernels, attention_times
-from loomtrain.planner.memory import RECOMPUTE, Layout, device_params, precision_for
-from loomtrain.planner.published import kendall_tau, separated_tau
+from loomtrain.planner.memory import MIXED_ADAM, RECOMPUTE, Layout, device_params, precision_for
+from loomtrain.planner.published import MEGATRON_RUNS, kendall_tau, layout_of, separated_tau
 from loomtrain.planner.search import search
 from loomtrain.planner.time import (
     DGX_A100,
     curve_seconds,
     dp_all_reduce_seconds,
     elementwise_bytes,
+    fan_out_bytes,
     grad_passes_seconds,
+    largest_matrix,
     layer_seconds,
+    optimizer_bytes_per_param,
+    optimizer_seconds,
     pipeline_seconds,
     ring_all_reduce_seconds,
     ring_gather_seconds,
@@ -139,8 +148,9 @@ def _model():
 
 
 def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monkeypatch, capsys):
-    """Catches: `plan --calibrate` writing a spec its own loader refuses, missing the group figures or
-    the GEMM curve, or `--parallel.auto`'s local_spec measuring again instead of reading the cache."""
+    """Catches: `plan --calibrate` writing a spec its own loader refuses, missing the group figures,
+    the GEMM or the optimizer curve, or `--parallel.auto`'s local_spec measuring again instead of
+    reading the cache."""
     monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
     assert cmd_plan(["--calibrate", "--ranks", "2"]) == 0
     path = cached_spec_path(2)
@@ -156,6 +166,8 @@ def test_calibrate_measures_this_machine_and_the_cache_serves_it(tmp_path, monke
     assert len(cluster.device.attention_curve) == 4 and all(rate > 1e8 for _, rate in cluster.device.attention_curve)
     assert cluster.device.memory_bytes_per_s > 1e8 and cluster.device.element_bytes == 4
     assert [size for size, _ in cluster.device.memory_curve] == [2**20, 2**22, 2**24]
+    optimizer = cluster.device.optimizer_curve
+    assert [size for size, _ in optimizer] == [2**20, 2**22, 2**24] and all(rate > 1e8 for _, rate in optimizer)
     assert {(op, g) for op, g, _ in cluster.collective_curves} == {(op, 2) for op in OPS}
     assert all(len(points) == len(CURVE_BYTES) and min(t for _, t in points) > 0
                for _, _, points in cluster.collective_curves)  # fmt: skip
@@ -391,6 +403,105 @@ def test_the_passes_over_gradients_are_priced_per_zero_stage():
     assert passes(dp=2, zero_stage=3, zero_gather_copies=False) == pytest.approx((4 * grads + 1.5 * grads) / rate)
     layout = Layout(seq_len=64, dp=2, precision=fp32)
     assert step_time(arch, layout, cluster).grad_passes == pytest.approx(6 * grads / rate)
+
+
+def test_the_optimizer_is_priced_by_its_passes_at_its_measured_rate():
+    """Catches: loomtrain's PyTorch AdamW priced as one fused pass (28 bytes per fp32 parameter where
+    it makes 80: the own-run model's step measured 40 ms, priced 25), the published Megatron runs
+    losing their fused Adam, or a calibrated ``optimizer_curve`` parsed but not read (its passes meet
+    each tensor in cache: 26 GB/s here against the elementwise 15)."""
+    fp32 = precision_for("fp32", 0)
+    assert optimizer_bytes_per_param(fp32, fused=True) == 28 and optimizer_bytes_per_param(fp32, fused=False) == 80
+    assert optimizer_bytes_per_param(MIXED_ADAM, fused=False) - optimizer_bytes_per_param(MIXED_ADAM, True) == 50
+    assert all(layout_of(run).fused_optimizer for run in MEGATRON_RUNS)
+    arch = from_model_config(_model())
+    params = device_params(arch, Layout(seq_len=64))
+    doc = {"devices": [{**CPU, "optimizer_curve": [[2**16, 40.0], [2**20, 30.0]]}], "hosts": [HOST],
+           "network": NETWORK}  # fmt: skip
+    curved, flat = parse_cluster_spec(doc, where="s").to_cluster(), spec().to_cluster()
+    largest = largest_matrix(arch, Layout(seq_len=64)) * 4  # 128 x 512 fp32: 256 KiB
+    rate = curved.device.optimizer_rate(largest)
+    assert 30e9 < rate < 40e9 and flat.device.optimizer_rate(largest) == 20e9
+    layout = Layout(seq_len=64, precision=fp32)
+    assert optimizer_seconds(arch, layout, curved, params) == pytest.approx(params * 80 / rate)
+    assert optimizer_seconds(arch, replace(layout, fused_optimizer=True), flat, params) == pytest.approx(
+        params * 28 / 20e9
+    )
+    with pytest.raises(ClusterSpecError, match="optimizer_curve"):
+        parse_cluster_spec({"devices": [{**CPU, "optimizer_curve": [[-1, 1]]}], "hosts": [HOST], "network": NETWORK})
+
+
+def test_the_optimizer_byte_count_follows_pytorchs_adamw():
+    """Catches: the count of :func:`optimizer_bytes_per_param` drifting from what PyTorch's AdamW runs
+    (a pass added or fused in another torch version): every tensor each operation of one step reads
+    and writes, recorded at the dispatcher, for one fp32 parameter of ``n`` elements."""
+    n, moved = 4096, []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {id(t): t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            reads = sum(t.numel() * t.element_size() for t in inputs.values() if t.numel() == n)
+            writes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
+                         if isinstance(t, torch.Tensor) and t.numel() == n)  # fmt: skip
+            moved.append(reads + writes)
+            return out
+
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    optimizer = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.1)
+    optimizer.step()  # the first step builds the moments
+    moved.clear()
+    with Count():
+        optimizer.step()
+    assert sum(moved) == n * optimizer_bytes_per_param(precision_for("fp32", 0), fused=False)
+
+
+class _Adds(TorchDispatchMode):
+    """Records the bytes each ``aten.add`` moves (two inputs read, one output written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_):
+            self.moved += 3 * max(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gradient_sums_of_a_block_are_counted_as_autograd_adds_them():
+    """Catches: the gradient sums autograd adds where one activation feeds several kernels left out of
+    the backward (the own-run model's profiled backward: 29 per micro-batch, about a quarter of its
+    elementwise traffic), or their count drifting from ``models/llama.py`` (a kernel added or fused):
+    every ``add`` of one block's backward, weights frozen so that no gradient accumulates, grouped
+    query attention so that ``k``'s width differs from ``q``'s."""
+    cfg = ModelConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=16)
+    block = TransformerBlock(cfg).requires_grad_(False)
+    cos, sin = rope_cache(cfg.head_dim, 16, 10000.0)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    out = block(x, cos, sin)
+    with _Adds() as adds:
+        out.backward(torch.randn_like(out))
+    layout = Layout(seq_len=16, micro_batch=2, precision=precision_for("fp32", 0))
+    assert adds.moved == fan_out_bytes(from_model_config(cfg), layout) > 0
+
+
+def test_calibration_times_kernels_on_operands_out_of_cache(monkeypatch):
+    """Catches: the GEMM and elementwise timings reusing one set of operands call after call (they
+    stay in a core's caches and time 10-50 % faster than a step's kernels, which meet each weight
+    after the rest of the model: the own-run model's GEMMs ran at 0.17-0.19 TFLOP/s in its step
+    against 0.20-0.21 so timed), a pool smaller than asked, or pools of many ranks taking more
+    than their share of the host's memory."""
+    x, w = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True)
+    pool = calibrate_module._operand_pool(lambda: (x, w), 300, 1000)
+    sets = [pool() for _ in range(5)]
+    assert len({s[0].data_ptr() for s in sets}) == 4 and sets[4][0].data_ptr() == sets[0][0].data_ptr()
+    assert all(torch.equal(s[0], x) and s[1].is_leaf and s[1].requires_grad for s in sets)
+    assert calibrate_module._operand_pool(lambda: (x,), 5000, 1000)()[0] is x  # at least one set
+    monkeypatch.setattr(calibrate_module, "host_memory_bytes", lambda: 24 * 2**30)
+    assert calibrate_module.pool_bytes(2) == calibrate_module.POOL_BYTES
+    assert calibrate_module.pool_bytes(16) == 96 * 2**20
 
 
 def test_ranks_sharing_cores_do_not_lose_the_pipeline_bubble(monkeypatch):

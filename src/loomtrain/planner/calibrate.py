@@ -11,7 +11,8 @@ What each rank measures, all ranks at once:
 
 - **GEMM rate by size**: ``fp32`` ``n × n`` products for ``n`` in :data:`GEMM_SIZES`, and thin ones
   (``n × n`` by ``n × n/8``, the shape of a key/value projection): the mean time per call over a
-  :data:`WINDOW_S` window of calls back to back (:func:`_mean_seconds` says why not a median). The
+  :data:`WINDOW_S` window of calls back to back (:func:`_mean_seconds` says why not a median), each
+  call on the next operands of a pool (:func:`_operand_pool`), as a step meets its weights. The
   planner reads this curve by FLOPs (:meth:`~loomtrain.planner.cost.Device.gemm_rate`): the
   efficiency-by-size curve of issue #19, measured instead of derived from waves.
 - **The fused attention kernel's rate by size** (:func:`measure_attention_curve`): causal
@@ -21,7 +22,11 @@ What each rank measures, all ranks at once:
 - **Memory bandwidth by tensor size** of eager elementwise kernels (:func:`measure_memory_curve`): an
   RMSNorm and a SwiGLU product, forward and backward, over tensors of 1 to 16 MiB (a small model's
   activations stay in the CPU's caches, a large one's do not), bytes counted as the time model counts
-  a block's.
+  a block's, each call on the next inputs of a pool.
+- **PyTorch's AdamW step by parameter tensor size** (:func:`measure_optimizer_curve`): over fp32
+  tensors of 1 to 16 MiB, bytes counted as the time model counts them; its separate passes over one
+  tensor meet it in cache after the first, which the elementwise rate would miss (the own-run
+  model's step took 40 ms against 70 priced at that rate).
 - **Collectives per group size** ``g`` (each power of two from 2 to ``ranks``): the ranks split into
   ``ranks/g`` groups of consecutive ranks, which all-reduce at once (as a layout's tensor-parallel
   groups do): the latency from a 4-byte all-reduce over its ``2(g-1)`` ring steps, the bus bandwidth
@@ -39,11 +44,12 @@ What each rank measures, all ranks at once:
   to 10.5 %).
 
 A figure is the mean over ranks (they share the machine's cores, so their rates are each other's
-complement). About 13 s for 2 ranks and 20 s for 4 on a 2-core machine.
+complement). About 22 s for 2 ranks and 55 s for 4 on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -65,7 +71,7 @@ from loomtrain.models.llama import apply_rotary, rope_cache
 from loomtrain.planner.arch import Architecture
 from loomtrain.planner.cluster import ClusterSpec, load_cluster_spec, parse_cluster_spec
 from loomtrain.planner.memory import FP32_ADAM, Layout
-from loomtrain.planner.time import elementwise_bytes
+from loomtrain.planner.time import elementwise_bytes, optimizer_bytes_per_param
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)
 # The attention kernel's timed shapes: (batch · heads) sequences of these lengths, head size 64.
@@ -95,6 +101,15 @@ EAGER_HEAD_DIM, EAGER_FFN = 64, 2752
 # page-fault every output and measured 3-9 GB/s where later ones reach 16-20).
 EAGER_WARMUP_S = 0.5
 COLLECTIVE_BYTES = 8 * 2**20
+# Bytes of the operand pools the GEMM and elementwise timings cycle through (_operand_pool): about a
+# rank's share of the last-level cache this machine reports (480 MiB for 2 cores), so that operands
+# come from memory, as a step's weights do: between two uses of one weight it moves the rest of the
+# model, its gradients and AdamW's states (the own-run model: 208 MB). Reused call after call they
+# stayed in the caches and timed 10-50 % fast; a 64 MiB pool left the 512-wide GEMMs 5 % faster than 256.
+POOL_BYTES = 256 * 2**20
+# A rank's pool takes at most this share of its part of the host's memory (16 ranks on a 24 GiB
+# host: 96 MiB each; the measuring ranks hold about twice their pool at the peak).
+POOL_MEMORY_SHARE = 1 / 16
 # Message sizes of the measured collective curves: a small model's tensor-parallel activations (64 KiB
 # to 1 MiB) up to gradient buckets (8 MiB; larger ones continue the last segment's bandwidth).
 CURVE_BYTES = tuple(CURVE_CALLS)
@@ -131,14 +146,40 @@ def _gemm_shapes() -> list[tuple[int, int, int]]:
     return [(n, n, n) for n in GEMM_SIZES] + [(n, n, max(8, n // 8)) for n in GEMM_SIZES]
 
 
-def measure_gemm_curve() -> list[tuple[float, float]]:
+def pool_bytes(ranks: int) -> float:
+    """Bytes of each rank's operand pools: :data:`POOL_BYTES`, or :data:`POOL_MEMORY_SHARE` of the
+    host memory over ``ranks`` where that is less."""
+    return min(POOL_BYTES, host_memory_bytes() / ranks * POOL_MEMORY_SHARE)
+
+
+def _operand_pool(make, nbytes: float, pool: float = POOL_BYTES):
+    """A call without arguments that returns the next of ``ceil(pool / nbytes)`` sets of operands
+    ``make()`` builds (``nbytes`` each), round and round: a timed kernel then reads operands it has
+    not touched for ``pool`` bytes of other traffic, as a training step's kernels read
+    weights and activations out of a core's caches. The same operands call after call would stay in
+    them: in the own-run model (docs/planner.md) the GEMMs ran at 0.17-0.19 TFLOP/s and the
+    elementwise kernels at about 13 GB/s against 0.20 and 19.7 timed on reused operands."""
+    first = make()
+    copies = [tuple(_copy(t) for t in first) for _ in range(max(1, math.ceil(pool / nbytes)) - 1)]
+    return itertools.cycle([first, *copies]).__next__
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in its own storage, a leaf that requires grad where ``t`` does (cloning is
+    memory-bound; drawing every pool set from ``randn`` took most of a 4-rank calibration)."""
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def measure_gemm_curve(pool: float = POOL_BYTES) -> list[tuple[float, float]]:
     """``[(flops, flop_per_s), ...]`` of fp32 GEMMs of :func:`_gemm_shapes` on this process, sorted by FLOPs
-    (shapes of equal FLOPs averaged)."""
+    (shapes of equal FLOPs averaged), each call on the next operands of an :func:`_operand_pool` of
+    ``pool`` bytes."""
     rates: dict[float, list[float]] = {}
     for m, k, n in _gemm_shapes():
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        make = lambda m=m, k=k, n=n: (torch.randn(m, k), torch.randn(k, n))  # noqa: E731
+        operands = _operand_pool(make, 4.0 * (m * k + k * n), pool)
         flops = 2.0 * m * k * n
-        rates.setdefault(flops, []).append(flops / _mean_seconds(lambda a=a, b=b: torch.mm(a, b)))
+        rates.setdefault(flops, []).append(flops / _mean_seconds(lambda o=operands: torch.mm(*o())))
     return [(flops, statistics.fmean(r)) for flops, r in sorted(rates.items())]
 
 
@@ -160,46 +201,88 @@ def measure_attention_curve() -> list[tuple[float, float]]:
     return points
 
 
-def measure_memory_curve() -> list[tuple[float, float]]:
+def measure_memory_curve(pool: float = POOL_BYTES) -> list[tuple[float, float]]:
     """``[(tensor bytes, bytes/s), ...]`` of :func:`measure_memory_bandwidth` for each of :data:`EAGER_ROWS`."""
-    return [(rows * EAGER_WIDTH * 4.0, measure_memory_bandwidth(rows)) for rows in EAGER_ROWS]
+    return [(rows * EAGER_WIDTH * 4.0, measure_memory_bandwidth(rows, pool)) for rows in EAGER_ROWS]
 
 
-def measure_memory_bandwidth(rows: int) -> float:
+def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
     """Bytes/s of a Llama block's eager elementwise kernels with autograd, as ``models/llama.py``
     runs them on a ``rows``-token sequence of width :data:`EAGER_WIDTH` (heads of
     :data:`EAGER_HEAD_DIM`, SwiGLU width :data:`EAGER_FFN`), fp32, forward and backward, each
-    output freshly allocated, timed after :data:`EAGER_WARMUP_S` of calls: two RMSNorms, the
+    output freshly allocated, each call on the next inputs of an :func:`_operand_pool` of ``pool``
+    bytes, timed after
+    :data:`EAGER_WARMUP_S` of calls: two RMSNorms, the
     rotary embedding of the queries and keys on their head-major views, the attention output's
     copy back to token-major, two residual adds, SiLU and the gate product.
 
     Bytes are the time model's count for this block (``planner/time.py``'s ``elementwise_bytes``,
-    ``32h + 10·kv + 5f`` elements per token forward, backward twice that).
+    ``32h + 10·kv + 5f`` elements per token forward, backward twice that, and the gradient sums of
+    the mix's fan-outs as ``fan_out_bytes`` counts a block's: ``18h``).
     Not STREAM's preallocated ``c = a + b``: the rate takes in what these kernels pay beyond their
     bytes (strided head-major views, allocation, autograd), so that the time model's byte count
     prices them at what they take.
     """
     h, heads = EAGER_WIDTH, EAGER_WIDTH // EAGER_HEAD_DIM
-    x, weight = torch.randn(rows, h, requires_grad=True), torch.ones(h, requires_grad=True)
-    q, k = (torch.randn(1, rows, heads, EAGER_HEAD_DIM, requires_grad=True) for _ in range(2))
-    attention = torch.randn(1, heads, rows, EAGER_HEAD_DIM, requires_grad=True)
-    a, b = (torch.randn(rows, EAGER_FFN, requires_grad=True) for _ in range(2))
+    weight = torch.ones(h, requires_grad=True)
     cos, sin = rope_cache(EAGER_HEAD_DIM, rows, 10000.0)
+
+    def inputs() -> tuple[torch.Tensor, ...]:
+        x = torch.randn(rows, h, requires_grad=True)
+        q, k = (torch.randn(1, rows, heads, EAGER_HEAD_DIM, requires_grad=True) for _ in range(2))
+        attention = torch.randn(1, heads, rows, EAGER_HEAD_DIM, requires_grad=True)
+        return x, q, k, attention, *(torch.randn(rows, EAGER_FFN, requires_grad=True) for _ in range(2))
+
+    # Each input and the gradient autograd accumulates into it: twice the inputs' bytes.
+    next_inputs = _operand_pool(inputs, 2 * 4.0 * rows * (4 * h + 2 * EAGER_FFN), pool)
     grads = [torch.ones(rows, h), *(torch.ones(1, heads, rows, EAGER_HEAD_DIM) for _ in range(2)),
              torch.ones(rows, h), torch.ones(rows, EAGER_FFN)]  # fmt: skip
 
     def norm(t: torch.Tensor) -> torch.Tensor:
         return t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * weight
 
-    def step() -> None:
+    def forward() -> list[torch.Tensor]:
+        x, q, k, attention, a, b = next_inputs()
         rotated = [apply_rotary(t.transpose(1, 2), cos, sin) for t in (q, k)]
         hidden = x + attention.transpose(1, 2).reshape(rows, h)
-        outputs = [norm(x), *rotated, hidden + norm(hidden), F.silu(a) * b]
-        torch.autograd.backward(outputs, grads)
+        return [norm(x), *rotated, hidden + norm(hidden), F.silu(a) * b]
 
     block = Architecture("llama", 1, h, heads, heads, EAGER_FFN, 1, rows, False)
     forward_bytes = elementwise_bytes(block, Layout(seq_len=rows, precision=FP32_ADAM))
-    return 3 * forward_bytes / _mean_seconds(step, warmup_s=EAGER_WARMUP_S)
+    # A step's forward keeps every block's outputs for its backward, so its kernels write to memory
+    # not touched since the last step's backward: the mix runs the forwards of as many blocks as
+    # move ``pool`` bytes, keeping their outputs, then their backward (one at a time, each output
+    # landed in memory just freed: a norm timed 25 GB/s, 11 keeping its outputs).
+    depth = max(1, math.ceil(pool / forward_bytes))
+
+    def step() -> None:
+        outputs = [out for _ in range(depth) for out in forward()]
+        torch.autograd.backward(outputs, grads * depth)
+
+    # The mix's own gradient sums (fan_out_bytes counts a block's): x and hidden feed three kernels
+    # each (pow, the product, the add), q and k two (the rotation's halves and the product).
+    sums = 3 * 6 * h * rows * 4.0
+    return depth * (3 * forward_bytes + sums) / _mean_seconds(step, warmup_s=EAGER_WARMUP_S)
+
+
+def measure_optimizer_curve(pool: float = POOL_BYTES) -> list[tuple[float, float]]:
+    """``[(tensor bytes, bytes/s), ...]``: :func:`measure_optimizer_rate` for fp32 parameter tensors
+    of each of :data:`EAGER_ROWS` rows of :data:`EAGER_WIDTH`."""
+    return [(rows * EAGER_WIDTH * 4.0, measure_optimizer_rate(rows * EAGER_WIDTH, pool)) for rows in EAGER_ROWS]
+
+
+def measure_optimizer_rate(numel: int, pool: float = POOL_BYTES) -> float:
+    """Bytes/s of ``torch.optim.AdamW`` (weight decay on, as loomtrain's matrices have it) stepping
+    parameters of ``numel`` fp32 elements each, as many as fill ``pool`` bytes with their
+    gradients and moments (a step meets each from memory), bytes counted by
+    :func:`~loomtrain.planner.time.optimizer_bytes_per_param` (80 per parameter)."""
+    count, values = max(1, math.ceil(pool / (4.0 * numel * 4))), torch.randn(numel)
+    params = [torch.nn.Parameter(values.clone()) for _ in range(count)]
+    for param in params:
+        param.grad = values.clone()
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    moved = count * numel * optimizer_bytes_per_param(FP32_ADAM, fused=False)
+    return moved / _mean_seconds(optimizer.step)
 
 
 def _groups(ranks: int, size: int) -> list[list[int]]:
@@ -272,13 +355,14 @@ def _rank_measurements(ranks: int) -> dict:
     """What one rank measures (module docstring); runs inside :func:`loomtrain.distributed.spawn.spawn`."""
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
-    curve = measure_gemm_curve()
+    pool = pool_bytes(ranks)
+    curve = measure_gemm_curve(pool)
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     dist.barrier()
-    memory, attention = measure_memory_curve(), measure_attention_curve()
+    memory, attention, optimizer = measure_memory_curve(pool), measure_attention_curve(), measure_optimizer_curve(pool)
     collectives, curves = measure_collectives(ranks)
-    return {"curve": curve, "memory": memory, "attention": attention, "collectives": collectives, "curves": curves,
-            "cpu_share": share}  # fmt: skip
+    return {"curve": curve, "memory": memory, "attention": attention, "optimizer": optimizer,
+            "collectives": collectives, "curves": curves, "cpu_share": share}  # fmt: skip
 
 
 def _mean(values) -> float:
@@ -292,11 +376,14 @@ def _pointwise_mean(per_rank: list[dict], key: str) -> list[tuple[float, float]]
 
 def combine(per_rank: list[dict]) -> dict:
     """The ranks' measurements as one: each figure the mean over ranks (``curve`` point by point)."""
-    curve, memory, attention = (_pointwise_mean(per_rank, key) for key in ("curve", "memory", "attention"))
+    curve, memory, attention, optimizer = (
+        _pointwise_mean(per_rank, key) for key in ("curve", "memory", "attention", "optimizer")
+    )
     sizes = sorted(per_rank[0]["collectives"])
     collectives = {g: tuple(_mean(r["collectives"][g][j] for r in per_rank) for j in (0, 1)) for g in sizes}
     curves = {key: _pointwise_mean([r["curves"] for r in per_rank], key) for key in per_rank[0]["curves"]}
-    return {"curve": curve, "memory": memory, "attention": attention, "collectives": collectives, "curves": curves,
+    return {"curve": curve, "memory": memory, "attention": attention, "optimizer": optimizer,
+            "collectives": collectives, "curves": curves,
             "cpu_share": min(r.get("cpu_share", 1.0) for r in per_rank)}  # fmt: skip
 
 
@@ -326,7 +413,7 @@ def host_memory_bytes() -> float:
 def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
     curve = measured["curve"]
     points = _tflops_points(curve)
-    memory = ", ".join(f"[{size:.0f}, {rate / 1e9:.4g}]" for size, rate in measured["memory"])
+    memory = _gb_points(measured["memory"])
     return ["[[devices]]", f'name = "{name}-cpu"',
             f"peak_tflops = {max(r for _, r in curve) / 1e12:.6g}    # fastest measured fp32 GEMM",
             f"memory_gb_per_s = {measured['memory'][-1][1] / 1e9:.4g}    # eager elementwise kernels, per rank, "
@@ -334,7 +421,20 @@ def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
             f"memory_curve = [{memory}]    # [tensor bytes, GB/s]",
             f"memory_gib = {host_memory_bytes() / ranks / 2**30:.4g}    # host memory / ranks",
             "element_bytes = 4    # fp32", f"gemm_curve = [{points}]    # [FLOPs, TFLOP/s]",
-            *_attention_lines(measured.get("attention", []))]  # fmt: skip
+            *_attention_lines(measured.get("attention", [])),
+            *_optimizer_lines(measured.get("optimizer", []))]  # fmt: skip
+
+
+def _gb_points(curve: list[tuple[float, float]]) -> str:
+    """``(bytes, bytes/s)`` points as the spec's ``[tensor bytes, GB/s]`` list items."""
+    return ", ".join(f"[{size:.0f}, {rate / 1e9:.4g}]" for size, rate in curve)
+
+
+def _optimizer_lines(optimizer: list[tuple[float, float]]) -> list[str]:
+    """The device's ``optimizer_curve`` line; none when the step was not measured."""
+    if not optimizer:
+        return []
+    return [f"optimizer_curve = [{_gb_points(optimizer)}]    # [tensor bytes, GB/s] of PyTorch's AdamW step"]
 
 
 def _attention_lines(attention: list[tuple[float, float]]) -> list[str]:

@@ -42,6 +42,8 @@ collective figures by group size::
                                 # elementwise kernels by tensor size (memory_gb_per_s: every size)
     attention_curve = [[4e8, 0.02]]  # optional: measured [FLOPs, TFLOP/s] of the fused attention
                                 # kernel, forward and backward (the roofline without one)
+    optimizer_curve = [[1048576, 20]]  # optional: measured [tensor bytes, GB/s] of PyTorch's AdamW
+                                # step by parameter tensor size (memory_curve without one)
 
     [[hosts]]
     ...
@@ -80,7 +82,7 @@ _HOST_FIELDS = {"count", "devices_per_host", "device", "intra_gb_per_s", "intra_
                 "comm_overlap", "collectives", "core_share", *_GROUP_FIELDS}  # fmt: skip
 _CURVE_FIELDS = {"op", "group_size", "bytes", "microseconds"}
 _DEVICE_FIELDS = {"name", "peak_tflops", "memory_gb_per_s", "memory_gib", "element_bytes", "gemm_curve",
-                  "memory_curve", "attention_curve", "source"}  # fmt: skip
+                  "memory_curve", "attention_curve", "optimizer_curve", "source"}  # fmt: skip
 _RATE_FIELDS = ("inter_gb_per_s", "host_gb_per_s")  # exactly one: per device, or per host and shared
 _NETWORK_FIELDS = {*_RATE_FIELDS, "inter_latency_us", "link_efficiency"}
 _TOP_FIELDS = {"name", "source", "hosts", "network", "devices"}
@@ -311,6 +313,7 @@ def _spec_device(where: str, table: Any) -> Device:
         gemm_curve=curve,
         memory_curve=_curve(where, table, "memory_curve", "tensor bytes, GB/s", 1e9),
         attention_curve=_curve(where, table, "attention_curve", "FLOPs, TFLOP/s", 1e12),
+        optimizer_curve=_curve(where, table, "optimizer_curve", "tensor bytes, GB/s", 1e9),
     )
 
 

@@ -81,6 +81,11 @@ class Device:
             :func:`attention_kernels` counts them (its rate follows the sequence length, not the
             number of heads); a calibrated CPU, whose attention kernel runs at half its GEMM rate
             or less. Empty: the roofline prices it.
+        optimizer_curve: measured ``(tensor bytes, bytes/s)`` points of PyTorch's AdamW step by the
+            size of the parameter tensors it updates, bytes counted as
+            :func:`~loomtrain.planner.time.optimizer_bytes_per_param` counts them (a calibrated CPU,
+            whose separate passes over one tensor meet it in cache after the first); empty:
+            ``memory_curve``'s rate.
     """
 
     name: str
@@ -96,6 +101,7 @@ class Device:
     gemm_curve: tuple[tuple[float, float], ...] = ()
     memory_curve: tuple[tuple[float, float], ...] = ()
     attention_curve: tuple[tuple[float, float], ...] = ()
+    optimizer_curve: tuple[tuple[float, float], ...] = ()
 
     def gemm_rate(self, flops: float) -> float:
         """FLOP/s of a kernel of ``flops`` FLOP: the measured curve interpolated linearly in
@@ -109,6 +115,13 @@ class Device:
         """Bytes/s of elementwise kernels over tensors of ``tensor_bytes``: the measured curve
         interpolated linearly in ``log(bytes)`` (flat beyond its ends); without one, ``memory_bytes_per_s``."""
         return log_interpolate(self.memory_curve, tensor_bytes) if self.memory_curve else self.memory_bytes_per_s
+
+    def optimizer_rate(self, tensor_bytes: float) -> float:
+        """Bytes/s of the optimizer step over parameter tensors of ``tensor_bytes``: the measured
+        ``optimizer_curve`` interpolated as :meth:`memory_rate` interpolates; without one, :meth:`memory_rate`."""
+        if not self.optimizer_curve:
+            return self.memory_rate(tensor_bytes)
+        return log_interpolate(self.optimizer_curve, tensor_bytes)
 
     def peak(self, dtype: str) -> float:
         """Dense datasheet FLOP/s for ``dtype`` (``bf16``, ``fp16``, ``tf32``, ``fp32``), from

@@ -95,6 +95,14 @@ class Layout:
             gathered buffer into the parameters (loomtrain's ``zero_layout.py``); False: the gathers
             land in the parameters' storage (the published DeepSpeed runs, whose copies, if any,
             are not known: :func:`~loomtrain.planner.time.grad_passes_seconds`).
+        fused_optimizer: the optimizer updates each element in one kernel (apex's FusedAdam, as
+            Megatron-LM runs it: the published runs); False: PyTorch's AdamW as loomtrain runs it,
+            a pass per operation (:func:`~loomtrain.planner.time.optimizer_bytes_per_param`).
+        zeroed_grad_buffers: without ZeRO the gradients are views of buckets zeroed after each step
+            (loomtrain's ``distributed/data_parallel.py``), so every micro-batch's gradient is added
+            into them, the first into zeros (:func:`~loomtrain.planner.time.grad_accumulation_seconds`;
+            loomtrain's ZeRO drops its gradients instead); False: the first micro-batch's gradients
+            are written (how the published runs are priced).
 
     Raises:
         ValueError: a degree or size below 1, an unknown ``zero_stage``, ``schedule`` or
@@ -119,6 +127,8 @@ class Layout:
     overlap_grad_reduce: bool = True
     overlap_tp_backward: bool = False
     zero_gather_copies: bool = True
+    fused_optimizer: bool = False
+    zeroed_grad_buffers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "dp_replicate", "n_micro", "virtual_stages"):

@@ -149,11 +149,14 @@ def megatron_layout(dp: int, tp: int, pp: int, n_micro: int, micro_batch: int = 
     """A layout as Narayanan et al. ran it: sequence 2,048, full recomputation, fp16 mixed-precision
     Adam, 1F1B (interleaved with ``virtual_stages > 1``), the data-parallel all-reduce under the
     backward with ``torch_ddp``, after it otherwise (module docstring); ZeRO without loomtrain's
-    parameter copies (``Layout.zero_gather_copies``: DeepSpeed's are not known)."""
+    parameter copies (``Layout.zero_gather_copies``: DeepSpeed's are not known), apex's fused Adam
+    (``Layout.fused_optimizer``), the first micro-batch's gradients written (``zeroed_grad_buffers``
+    False: how Megatron-LM 2021 held them is not modelled)."""
     schedule = "interleaved_1f1b" if virtual_stages > 1 else "1f1b"
     return Layout(seq_len=2048, micro_batch=micro_batch, dp=dp, tp=tp, pp=pp, n_micro=n_micro, recompute="full",
                   precision=MIXED_ADAM, zero_stage=zero_stage, schedule=schedule, virtual_stages=virtual_stages,
-                  overlap_grad_reduce=torch_ddp, zero_gather_copies=False)  # fmt: skip
+                  overlap_grad_reduce=torch_ddp, zero_gather_copies=False, fused_optimizer=True,
+                  zeroed_grad_buffers=False)  # fmt: skip
 
 
 def layout_of(run: PublishedRun, micro_batch: int | None = None) -> Layout:
@@ -178,12 +181,13 @@ def held_out_layout(run: HeldOutRun) -> Layout:
     selective recomputation, fp16 mixed-precision Adam, 1F1B (interleaved with ``virtual_stages > 1``),
     the data-parallel all-reduce after the backward (§6.3: "we do not use any overlapping"), the
     tensor-parallel collectives of the backward under the weight-gradient GEMMs (§6: "we overlap
-    all-reduce communication with the linear weight's gradient computation")."""
+    all-reduce communication with the linear weight's gradient computation"), apex's fused Adam."""
     return Layout(seq_len=2048, micro_batch=run.micro_batch, dp=run.dp, tp=8, pp=run.pp,
                   n_micro=run.batch // (run.dp * run.micro_batch), recompute=run.recompute,
                   sequence_parallel=run.recompute == "selective", precision=MIXED_ADAM,
                   schedule="interleaved_1f1b" if run.virtual_stages > 1 else "1f1b",
-                  virtual_stages=run.virtual_stages, overlap_grad_reduce=False, overlap_tp_backward=True)  # fmt: skip
+                  virtual_stages=run.virtual_stages, overlap_grad_reduce=False, overlap_tp_backward=True,
+                  fused_optimizer=True, zeroed_grad_buffers=False)  # fmt: skip
 
 
 def held_out_errors(runs: tuple[HeldOutRun, ...] = KORTHIKANTI_TABLE5) -> list[float]:

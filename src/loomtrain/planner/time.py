@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 from loomtrain.distributed.pipeline.schedule import theoretical_bubble
 from loomtrain.planner.arch import Architecture
 from loomtrain.planner.cost import DEVICES, Device, Gemm, attention_times, head_times, layer_gemms
-from loomtrain.planner.memory import Layout, device_params, layers_per_chunk
+from loomtrain.planner.memory import Layout, Precision, device_params, layers_per_chunk
 
 # A measured collective: (op, group size, ((message bytes, seconds), ...) sorted by size).
 CollectiveCurve = tuple[str, int, tuple[tuple[float, float], ...]]
@@ -433,6 +433,25 @@ def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     return nbytes / bandwidth + latency
 
 
+def fan_out_bytes(arch: Architecture, layout: Layout) -> float:
+    """Bytes of the gradient sums autograd adds in one block's backward on one rank, per
+    micro-batch: where a tensor feeds ``k`` kernels, its gradient is the sum of ``k`` (``k - 1``
+    additions, each reading two and writing one). ``llama``, as ``models/llama.py`` runs it, per
+    token: the normed inputs of ``wq, wk, wv`` (2) and of ``w1, w3`` (1), the block's input and its
+    middle ``h`` (the norm and the residual add: 1 each), each RMSNorm's input (``pow`` and the
+    product: 1 each), the rotary embedding's ``q`` and ``k`` (the product and the half rotation: 1
+    each, ``(h + kv)/t``); ``3·(4h/σ + 3h + (h + kv)/t)`` elements (``σ = t`` under Megatron
+    sequence parallelism). The own-run model's profiled backward: 29 such additions per micro-batch
+    beside its 39 gradient accumulations. ``gpt``: 0 (the published runs are priced without them).
+    """
+    if arch.family == "gpt":
+        return 0.0
+    s, t, h = layout.seq_len, layout.tp, arch.hidden
+    sigma = t if layout.sequence_parallel else 1
+    per_token = 3 * (4 * h / sigma + 3 * h + (h + arch.kv_width) / t)
+    return per_token * layout.micro_batch * s / layout.sp * layout.precision.activation_bytes
+
+
 def layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float]:
     """``(forward, backward, tp_comm)`` seconds of one block for one micro-batch on one rank.
 
@@ -443,7 +462,8 @@ def layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     Forward: the cost model's GEMMs (``b·s/sp`` tokens) and attention core (full ``s``, ``a/(t·sp)``
     heads), :func:`elementwise_bytes` over the memory bandwidth at the size of one ``b·(s/sp)·h``
     activation (:meth:`~loomtrain.planner.cost.Device.memory_rate`), two all-reduces and the all-to-alls.
-    Backward: the GEMMs' backward, twice the elementwise traffic, the same communication, and under
+    Backward: the GEMMs' backward, twice the elementwise traffic and the gradient sums
+    (:func:`fan_out_bytes`) at that rate, the same communication, and under
     ``recompute="full"`` the whole forward again (Narayanan et al. §5.1); ``selective`` recomputes
     the attention core only (Korthikanti et al. §5).
 
@@ -464,11 +484,13 @@ def _layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tupl
     attention, attention_backward = attention_times(arch, layout.seq_len, b, t * layout.sp, dev, waves=True)
     gemm_f = sum(g.seconds(dev, True) for g in gemms) + attention
     gemm_b = sum(g.input_grad().seconds(dev, True) + g.weight_grad().seconds(dev, True) for g in gemms)
-    elementwise = elementwise_bytes(arch, layout) / cluster.device.memory_rate(activation_bytes(arch, layout))
+    rate = cluster.device.memory_rate(activation_bytes(arch, layout))
+    elementwise, sums = elementwise_bytes(arch, layout) / rate, fan_out_bytes(arch, layout) / rate
     all_to_all = all_to_all_seconds(arch, layout, cluster)
     comm = 2 * tp_all_reduce_seconds(arch, layout, cluster) + all_to_all
     forward = gemm_f + elementwise + comm
-    backward = gemm_b + attention_backward + 2 * elementwise + all_to_all + tp_backward_seconds(arch, layout, cluster)
+    tp_backward = all_to_all + tp_backward_seconds(arch, layout, cluster)
+    backward = gemm_b + attention_backward + 2 * elementwise + sums + tp_backward
     tp_comm = 2 * comm
     if layout.recompute == "full":
         backward += forward
@@ -563,17 +585,36 @@ def largest_matrix(arch: Architecture, layout: Layout) -> float:
     return arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp
 
 
+# Bytes of one element of Adam's moments (fp32 in every precision here) and of a master weight.
+MOMENT_BYTES = 4
+
+
+def optimizer_bytes_per_param(precision: Precision, fused: bool) -> float:
+    """Bytes one AdamW step moves per parameter. Fused (``fused``: apex's FusedAdam, one kernel):
+    the parameter, the gradient and the optimizer state read, the parameter and the state written,
+    ``2P + G + 2K``. PyTorch's AdamW (``torch/optim/adam.py``; its for-each variant makes the same
+    passes) adds the passes of each separate operation, ``2M + G + 10S`` (``S`` = 4, a moment's
+    element; ``M`` the updated weight's, the fp32 master where ``K`` holds one): the decoupled weight
+    decay's own pass over the weight (``2M``), the gradient read again for the variance, the variance
+    scaled in its own pass (``2S``), the denominator built in three (``sqrt``, ``/``, ``+ε``: ``6S``)
+    and read, the momentum read again by the update (``S`` each). fp32: 28 and 80 bytes."""
+    fused_bytes = 2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
+    if fused:
+        return fused_bytes
+    master = MOMENT_BYTES if precision.optimizer_bytes > 2 * MOMENT_BYTES else precision.param_bytes
+    return fused_bytes + 2 * master + precision.grad_bytes + 10 * MOMENT_BYTES
+
+
 def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
-    """The optimizer step over this rank's shard, memory-bound: parameters, gradients and optimizer
-    states read, parameters and optimizer states written, once each, tensor by tensor (PyTorch's
-    Adam; ZeRO keeps each tensor's rows), at the memory rate of the largest one
-    (:meth:`~loomtrain.planner.cost.Device.memory_rate`: an MLP matrix, ``h·f/t`` elements, over the
-    ZeRO shard)."""
+    """The optimizer step over this rank's shard, memory-bound, tensor by tensor (ZeRO keeps each
+    tensor's rows): :func:`optimizer_bytes_per_param` per parameter at the optimizer's rate for the
+    largest tensor (:meth:`~loomtrain.planner.cost.Device.optimizer_rate`: an MLP matrix, ``h·f/t``
+    elements, over the ZeRO shard)."""
     p = layout.precision
     split = layout.shard_ranks if layout.zero_stage >= 1 else 1
-    per_param = 2 * p.param_bytes + p.grad_bytes + 2 * p.optimizer_bytes
+    per_param = optimizer_bytes_per_param(p, layout.fused_optimizer)
     largest = largest_matrix(arch, layout) / split * p.param_bytes
-    return params / split * per_param / cluster.device.memory_rate(largest)
+    return params / split * per_param / cluster.device.optimizer_rate(largest)
 
 
 def grad_passes_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
@@ -605,13 +646,16 @@ def grad_passes_seconds(arch: Architecture, layout: Layout, cluster: Cluster, pa
 
 def grad_accumulation_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
     """Seconds per step one rank spends adding micro-batch gradients into the accumulated ones:
-    ``n_micro - 1`` in-place additions over the ``params`` the stage computes with (whole under
-    every ZeRO stage: ``distributed/zero.py`` reduces at the last micro-batch), each reading the
-    accumulated and the fresh gradient and writing the sum, ``3 · grad_bytes`` per parameter,
-    memory-bound at the rate of the largest tensor (an MLP matrix, ``h·f/t``). 0 for one micro-batch."""
+    in-place additions over the ``params`` the stage computes with (whole under every ZeRO stage:
+    ``distributed/zero.py`` reduces at the last micro-batch), each reading the accumulated and the
+    fresh gradient and writing the sum, ``3 · grad_bytes`` per parameter, memory-bound at the rate of
+    the largest tensor (an MLP matrix, ``h·f/t``). ``n_micro`` of them where the layout's
+    ``zeroed_grad_buffers`` (autograd adds even the first micro-batch's gradient into the zeroed
+    buffer), else ``n_micro - 1`` (the first one is written)."""
     grad_bytes = layout.precision.grad_bytes
     rate = cluster.device.memory_rate(largest_matrix(arch, layout) * grad_bytes)
-    return (layout.n_micro - 1) * params * 3 * grad_bytes / rate
+    additions = layout.n_micro if layout.zeroed_grad_buffers and layout.zero_stage == 0 else layout.n_micro - 1
+    return additions * params * 3 * grad_bytes / rate
 
 
 def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float, core_share: float) -> float:
