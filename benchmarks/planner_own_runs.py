@@ -2,8 +2,8 @@
 
 For each configuration of :data:`CONFIGS` (world 2 and 4: data parallelism, ZeRO 1 and 3, tensor
 parallelism, the pipeline, recomputation) it predicts the step time from a spec of this machine
-measured first (``loomtrain plan --calibrate --ranks N``, one per world size, measured afresh and
-again while disturbed: :func:`quiet_spec`), then runs ``loomtrain train`` for :data:`STEPS` steps and measures the
+measured first (``loomtrain plan --calibrate --ranks N``, one per world size, measured afresh, and
+again as long as disturbed: :func:`quiet_spec`), then runs ``loomtrain train`` for :data:`STEPS` steps and measures the
 median step time after :data:`WARMUP` steps (from the times of its ``metrics.jsonl`` records, one
 per step). The model is a Llama of :data:`MODEL` (large enough that GEMMs, not Python overhead,
 dominate a step). Reported: each configuration's predicted and measured seconds and their error,
@@ -128,8 +128,9 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
 
 
 def quiet_spec(ranks: int, tries: int = 3) -> ClusterSpec:
-    """This machine's spec of ``ranks`` ranks measured now and cached, measured again while other
-    processes disturb it (a spec measured under load priced every layout 20 % slow, 2026-12-04 13:22).
+    """This machine's spec of ``ranks`` ranks measured now and cached; measured again, up to ``tries``
+    times, as long as the measurement was disturbed (a spec measured under load priced every layout
+    20 % slow, 2026-12-04 13:22).
 
     Raises:
         SystemExit: ``tries`` calibrations in a row were disturbed.

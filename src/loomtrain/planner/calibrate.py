@@ -120,6 +120,8 @@ UNDISTURBED_SHARE = 0.8
 DISTURBED_MARK = "# DISTURBED:"
 # The most measuring processes per core calibrate starts (more would take minutes to spawn and mean little).
 MAX_RANKS_PER_CORE = 8
+# Seconds a calibration may take per rank a core runs (a rank alone on a core measures for about 25 s).
+TIMEOUT_PER_CORE_S = 120.0
 # A calibrated spec older than this is measured again (software and load change).
 MAX_AGE_DAYS = 7
 
@@ -233,7 +235,7 @@ def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
         attention = torch.randn(1, heads, rows, EAGER_HEAD_DIM, requires_grad=True)
         return x, q, k, attention, *(torch.randn(rows, EAGER_FFN, requires_grad=True) for _ in range(2))
 
-    # Each input and the gradient autograd accumulates into it: twice the inputs' bytes.
+    # Each input and the gradient autograd writes for it: twice the inputs' bytes.
     next_inputs = _operand_pool(inputs, 2 * 4.0 * rows * (4 * h + 2 * EAGER_FFN), pool)
     grads = [torch.ones(rows, h), *(torch.ones(1, heads, rows, EAGER_HEAD_DIM) for _ in range(2)),
              torch.ones(rows, h), torch.ones(rows, EAGER_FFN)]  # fmt: skip
@@ -241,8 +243,7 @@ def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
     def norm(t: torch.Tensor) -> torch.Tensor:
         return t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * weight
 
-    def forward() -> list[torch.Tensor]:
-        x, q, k, attention, a, b = next_inputs()
+    def forward(x, q, k, attention, a, b) -> list[torch.Tensor]:
         rotated = [apply_rotary(t.transpose(1, 2), cos, sin) for t in (q, k)]
         hidden = x + attention.transpose(1, 2).reshape(rows, h)
         return [norm(x), *rotated, hidden + norm(hidden), F.silu(a) * b]
@@ -256,8 +257,10 @@ def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
     depth = max(1, math.ceil(pool / forward_bytes))
 
     def step() -> None:
-        outputs = [out for _ in range(depth) for out in forward()]
-        torch.autograd.backward(outputs, grads * depth)
+        sets = [next_inputs() for _ in range(depth)]
+        torch.autograd.backward([out for inputs in sets for out in forward(*inputs)], grads * depth)
+        for t in itertools.chain.from_iterable(sets):
+            t.grad = None  # a block's inputs are not leaves: nothing accumulates into them
 
     # The mix's own gradient sums (fan_out_bytes counts a block's): x and hidden feed three kernels
     # each (pow, the product, the add), q and k two (the rotation's halves and the product).
@@ -499,8 +502,10 @@ def spec_toml(measured: dict, ranks: int, name: str = "local") -> str:
     return "\n".join(lines)
 
 
-def calibrate(ranks: int, timeout_s: float = 120.0) -> str:
+def calibrate(ranks: int, timeout_s: float | None = None) -> str:
     """Measure ``ranks`` processes on this machine and return their cluster spec as TOML text.
+    ``timeout_s`` (seconds, for every rank to finish): by default :data:`TIMEOUT_PER_CORE_S` times
+    the ranks per core, at least that (4 ranks on 2 cores measure for about 55 s).
 
     Raises:
         ValueError: ``ranks`` below 1 or not a power of two (the group sizes halve it).
@@ -513,6 +518,7 @@ def calibrate(ranks: int, timeout_s: float = 120.0) -> str:
                          f"{usable_cpus()}; a run of so many would not be worth planning here")  # fmt: skip
     from loomtrain.distributed.spawn import spawn
 
+    timeout_s = timeout_s or TIMEOUT_PER_CORE_S * max(1.0, ranks / usable_cpus())
     return spec_toml(combine(spawn(_rank_measurements, ranks, ranks, timeout_s=timeout_s)), ranks)
 
 

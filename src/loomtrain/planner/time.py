@@ -441,15 +441,19 @@ def fan_out_bytes(arch: Architecture, layout: Layout) -> float:
     middle ``h`` (the norm and the residual add: 1 each), each RMSNorm's input (``pow`` and the
     product: 1 each), the rotary embedding's ``q`` and ``k`` (the product and the half rotation: 1
     each, ``(h + kv)/t``); ``3·(4h/σ + 3h + (h + kv)/t)`` elements (``σ = t`` under Megatron
-    sequence parallelism). The own-run model's profiled backward: 29 such additions per micro-batch
-    beside its 39 gradient accumulations. ``gpt``: 0 (the published runs are priced without them).
+    sequence parallelism): the norms' and the rotation's in fp32 (they compute in fp32), the others
+    in the residual stream's element (the norms return its dtype). 9 per block; the own-run model's
+    backward dispatches 37 (and the final norm's), beside its 39 gradient accumulations. ``gpt``: 0
+    (the published runs are priced without them).
     """
     if arch.family == "gpt":
         return 0.0
     s, t, h = layout.seq_len, layout.tp, arch.hidden
     sigma = t if layout.sequence_parallel else 1
-    per_token = 3 * (4 * h / sigma + 3 * h + (h + arch.kv_width) / t)
-    return per_token * layout.micro_batch * s / layout.sp * layout.precision.activation_bytes
+    fp32_elements = 2 * h / sigma + (h + arch.kv_width) / t
+    residual_elements = 2 * h / sigma + 3 * h
+    per_token = 3 * (4 * fp32_elements + layout.precision.residual_bytes * residual_elements)
+    return per_token * layout.micro_batch * s / layout.sp
 
 
 def layer_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float]:
@@ -585,24 +589,26 @@ def largest_matrix(arch: Architecture, layout: Layout) -> float:
     return arch.hidden * max(arch.ffn_hidden, arch.hidden) / layout.tp
 
 
-# Bytes of one element of Adam's moments (fp32 in every precision here) and of a master weight.
-MOMENT_BYTES = 4
+# Bytes of an element of the tensors PyTorch's AdamW steps in loomtrain: fp32 parameters or masters,
+# their fp32 gradients (ZeRO's zero_layout.master_grad casts them), the two fp32 moments.
+OPTIMIZER_ELEMENT_BYTES = 4
+# Passes PyTorch's AdamW makes over those elements per parameter (torch/optim/adam.py, decoupled
+# weight decay on): weight decay (read, write the weight), lerp_ (read the momentum and the gradient,
+# write the momentum), the variance's mul_ (2) and addcmul_ (3), the denominator's sqrt, / and +ε
+# (2 each), addcdiv_ (read the weight, the momentum and the denominator, write the weight).
+ADAMW_PASSES = 20
 
 
 def optimizer_bytes_per_param(precision: Precision, fused: bool) -> float:
-    """Bytes one AdamW step moves per parameter. Fused (``fused``: apex's FusedAdam, one kernel):
-    the parameter, the gradient and the optimizer state read, the parameter and the state written,
-    ``2P + G + 2K``. PyTorch's AdamW (``torch/optim/adam.py``; its for-each variant makes the same
-    passes) adds the passes of each separate operation, ``2M + G + 10S`` (``S`` = 4, a moment's
-    element; ``M`` the updated weight's, the fp32 master where ``K`` holds one): the decoupled weight
-    decay's own pass over the weight (``2M``), the gradient read again for the variance, the variance
-    scaled in its own pass (``2S``), the denominator built in three (``sqrt``, ``/``, ``+ε``: ``6S``)
-    and read, the momentum read again by the update (``S`` each). fp32: 28 and 80 bytes."""
-    fused_bytes = 2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
+    """Bytes one AdamW step moves per parameter. Fused (``fused``: apex's FusedAdam, one kernel, as
+    Megatron-LM runs it): the parameter, the gradient and the optimizer state read, the parameter
+    and the state written, ``2P + G + 2K``. Else PyTorch's AdamW as loomtrain runs it (its for-each
+    variant makes the same passes): :data:`ADAMW_PASSES` over fp32 elements whatever the precision
+    (it steps fp32 parameters, or fp32 masters with fp32 gradients), 80 bytes; the casts around
+    it are :func:`grad_passes_seconds`'. fp32: 28 fused. Without weight decay it would be 72."""
     if fused:
-        return fused_bytes
-    master = MOMENT_BYTES if precision.optimizer_bytes > 2 * MOMENT_BYTES else precision.param_bytes
-    return fused_bytes + 2 * master + precision.grad_bytes + 10 * MOMENT_BYTES
+        return 2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
+    return ADAMW_PASSES * OPTIMIZER_ELEMENT_BYTES
 
 
 def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, params: float) -> float:
@@ -613,7 +619,8 @@ def optimizer_seconds(arch: Architecture, layout: Layout, cluster: Cluster, para
     p = layout.precision
     split = layout.shard_ranks if layout.zero_stage >= 1 else 1
     per_param = optimizer_bytes_per_param(p, layout.fused_optimizer)
-    largest = largest_matrix(arch, layout) / split * p.param_bytes
+    element = p.param_bytes if layout.fused_optimizer else OPTIMIZER_ELEMENT_BYTES
+    largest = largest_matrix(arch, layout) / split * element
     return params / split * per_param / cluster.device.optimizer_rate(largest)
 
 
@@ -649,9 +656,9 @@ def grad_accumulation_seconds(arch: Architecture, layout: Layout, cluster: Clust
     in-place additions over the ``params`` the stage computes with (whole under every ZeRO stage:
     ``distributed/zero.py`` reduces at the last micro-batch), each reading the accumulated and the
     fresh gradient and writing the sum, ``3 · grad_bytes`` per parameter, memory-bound at the rate of
-    the largest tensor (an MLP matrix, ``h·f/t``). ``n_micro`` of them where the layout's
-    ``zeroed_grad_buffers`` (autograd adds even the first micro-batch's gradient into the zeroed
-    buffer), else ``n_micro - 1`` (the first one is written)."""
+    the largest tensor (an MLP matrix, ``h·f/t``). ``n_micro`` of them without ZeRO where the
+    layout's ``zeroed_grad_buffers`` (autograd adds even the first micro-batch's gradient into the
+    zeroed buffer), else ``n_micro - 1`` (the first one is written)."""
     grad_bytes = layout.precision.grad_bytes
     rate = cluster.device.memory_rate(largest_matrix(arch, layout) * grad_bytes)
     additions = layout.n_micro if layout.zeroed_grad_buffers and layout.zero_stage == 0 else layout.n_micro - 1
