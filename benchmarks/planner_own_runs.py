@@ -3,14 +3,14 @@
 For each configuration of :data:`CONFIGS` (world 2 and 4: data parallelism, ZeRO 1 and 3, tensor
 parallelism, the pipeline, recomputation) it predicts the step time from a spec of this machine
 measured first (``loomtrain plan --calibrate --ranks N``, one per world size, measured afresh, and
-again as long as disturbed: :func:`quiet_spec`), then runs ``loomtrain train`` for :data:`STEPS` steps and measures the
-median step time after :data:`WARMUP` steps (from the times of its ``metrics.jsonl`` records, one
-per step). The model is a Llama of :data:`MODEL` (large enough that GEMMs, not Python overhead,
-dominate a step). Reported: each configuration's predicted and measured seconds and their error,
-the mean absolute percentage error, and Kendall's τ between the predicted and measured orders
-(Kendall 1938, τ-a: concordant minus discordant pairs over all pairs). Then ``--parallel.auto`` at
-world 2 and 4: the planner's choice, run, against the fastest measured configuration of that
-world size.
+again as long as disturbed: :func:`quiet_spec`), then runs ``loomtrain train`` for :data:`STEPS`
+steps and measures the median step time after :data:`WARMUP` steps (from the times of its
+``metrics.jsonl`` records, one per step). The model is a Llama of :data:`MODEL` (large enough that
+GEMMs, not Python overhead, dominate a step). Reported: each configuration's predicted and measured
+seconds and their error, the mean absolute percentage error, and Kendall's τ between the predicted
+and measured orders (Kendall 1938, τ-a: concordant minus discordant pairs over all pairs). Then
+``--parallel.auto`` at world 2 and 4: the planner's choice, run, against the fastest measured
+configuration of that world size.
 
     python benchmarks/planner_own_runs.py       # about 10 minutes on 2 cores
 """

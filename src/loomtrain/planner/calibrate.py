@@ -213,10 +213,9 @@ def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
     runs them on a ``rows``-token sequence of width :data:`EAGER_WIDTH` (heads of
     :data:`EAGER_HEAD_DIM`, SwiGLU width :data:`EAGER_FFN`), fp32, forward and backward, each
     output freshly allocated, each call on the next inputs of an :func:`_operand_pool` of ``pool``
-    bytes, timed after
-    :data:`EAGER_WARMUP_S` of calls: two RMSNorms, the
-    rotary embedding of the queries and keys on their head-major views, the attention output's
-    copy back to token-major, two residual adds, SiLU and the gate product.
+    bytes, timed after :data:`EAGER_WARMUP_S` of calls: two RMSNorms, the rotary embedding of the
+    queries and keys on their head-major views, the attention output's copy back to token-major,
+    two residual adds, SiLU and the gate product.
 
     Bytes are the time model's count for this block (``planner/time.py``'s ``elementwise_bytes``,
     ``32h + 10·kv + 5f`` elements per token forward, backward twice that, and the gradient sums of
@@ -424,8 +423,10 @@ def _device_lines(measured: dict, ranks: int, name: str) -> list[str]:
             f"memory_curve = [{memory}]    # [tensor bytes, GB/s]",
             f"memory_gib = {host_memory_bytes() / ranks / 2**30:.4g}    # host memory / ranks",
             "element_bytes = 4    # fp32", f"gemm_curve = [{points}]    # [FLOPs, TFLOP/s]",
-            *_attention_lines(measured.get("attention", [])),
-            *_optimizer_lines(measured.get("optimizer", []))]  # fmt: skip
+            *_optional_curve("attention_curve", _tflops_points(measured.get("attention", [])),
+                             "[FLOPs, TFLOP/s] of causal SDPA, forward and backward"),
+            *_optional_curve("optimizer_curve", _gb_points(measured.get("optimizer", [])),
+                             "[tensor bytes, GB/s] of PyTorch's AdamW step")]  # fmt: skip
 
 
 def _gb_points(curve: list[tuple[float, float]]) -> str:
@@ -433,20 +434,9 @@ def _gb_points(curve: list[tuple[float, float]]) -> str:
     return ", ".join(f"[{size:.0f}, {rate / 1e9:.4g}]" for size, rate in curve)
 
 
-def _optimizer_lines(optimizer: list[tuple[float, float]]) -> list[str]:
-    """The device's ``optimizer_curve`` line; none when the step was not measured."""
-    if not optimizer:
-        return []
-    return [f"optimizer_curve = [{_gb_points(optimizer)}]    # [tensor bytes, GB/s] of PyTorch's AdamW step"]
-
-
-def _attention_lines(attention: list[tuple[float, float]]) -> list[str]:
-    """The device's ``attention_curve`` line; none when the kernel was not measured."""
-    if not attention:
-        return []
-    return [
-        f"attention_curve = [{_tflops_points(attention)}]    # [FLOPs, TFLOP/s] of causal SDPA, forward and backward"
-    ]
+def _optional_curve(field: str, points: str, comment: str) -> list[str]:
+    """The device's ``field`` line of ``points`` (spec list items); none when nothing was measured."""
+    return [f"{field} = [{points}]    # {comment}"] if points else []
 
 
 def _tflops_points(curve: list[tuple[float, float]]) -> str:
