@@ -2,17 +2,18 @@
 
 For each configuration of :data:`CONFIGS` (world 2 and 4: data parallelism, ZeRO 1 and 3, tensor
 parallelism, the pipeline, recomputation) it predicts the step time from a spec of this machine
-measured first (``loomtrain plan --calibrate --ranks N``, one per world size, measured afresh, and
+(``loomtrain plan --calibrate --ranks N``, one per world size, measured afresh before each round, and
 again as long as disturbed: :func:`quiet_spec`), then runs ``loomtrain train`` for :data:`STEPS`
 steps and measures the median step time after :data:`WARMUP` steps (from the times of its
-``metrics.jsonl`` records, one per step). The model is a Llama of :data:`MODEL` (large enough that
+``metrics.jsonl`` records, one per step); the prediction is the median over the rounds' specs, the
+measurement the median over the rounds' runs. The model is a Llama of :data:`MODEL` (large enough that
 GEMMs, not Python overhead, dominate a step). Reported: each configuration's predicted and measured
 seconds and their error, the mean absolute percentage error, and Kendall's τ between the predicted
 and measured orders (Kendall 1938, τ-a: concordant minus discordant pairs over all pairs). Then
 ``--parallel.auto`` at world 2 and 4: the planner's choice, run, against the fastest measured
 configuration of that world size.
 
-    python benchmarks/planner_own_runs.py       # about 10 minutes on 2 cores
+    python benchmarks/planner_own_runs.py       # about 17 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def layout_of(world: int, overrides: dict, vocab_size: int):
                     sp=par.sequence_parallel_degree, zero_stage=zero,
                     n_micro=training.global_batch_size // (dp * training.micro_batch_size),
                     schedule=par.pipeline_schedule, virtual_stages=par.virtual_stages,
-                    recompute=training.activation_checkpointing,
+                    recompute=training.activation_checkpointing, log_interval=training.log_interval,
                     precision=precision_for(training.dtype, zero))  # fmt: skip
     return from_model_config(cfg.model, "own-run"), layout
 
@@ -104,24 +105,29 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
     """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
     run in alternating order), their MAPE and Kendall τ."""
     names, vocab, rows = names or list(CONFIGS), vocab_size(load_config(CONFIG)), []
-    # Measured now (the machine's speed drifts 10-20 % over an afternoon: a cached spec would price
-    # these runs at another hour's speed) and cached, so --parallel.auto below plans on the same figures.
-    clusters = {w: quiet_spec(w).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
+    layouts = {name: layout_of(*CONFIGS[name], vocab) for name in names}
     measured: dict[str, list[float]] = {name: [] for name in names}
+    predicted: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as out_dir:
         for r in range(rounds):
+            # Each round's spec measured just before its runs (the machine's speed drifts 10-20 % over
+            # an afternoon, and a calibration's GEMM rate moved 0.146-0.187 TFLOP/s between rounds
+            # while the runs moved 5 %); cached, so --parallel.auto below plans on the last one.
+            clusters = {w: quiet_spec(w).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
             for name in names if r % 2 == 0 else names[::-1]:
+                predicted[name].append(step_time(*layouts[name], clusters[CONFIGS[name][0]]).total)
                 measured[name].append(run_step_seconds(*CONFIGS[name], out_dir, name)[0])
-                print(f"round {r} {name}: {measured[name][-1]:.3f} s", flush=True)
+                print(f"round {r} {name}: predicted {predicted[name][-1]:.3f} s, measured {measured[name][-1]:.3f} s",
+                      flush=True)  # fmt: skip
     for name in names:
-        world, overrides = CONFIGS[name]
-        arch, layout = layout_of(world, overrides, vocab)
-        predicted, median = step_time(arch, layout, clusters[world]).total, statistics.median(measured[name])
-        rows.append({"config": name, "world": world, "predicted_s": round(predicted, 4), "measured_s": round(median, 4),
+        world = CONFIGS[name][0]
+        prediction, median = statistics.median(predicted[name]), statistics.median(measured[name])
+        rows.append({"config": name, "world": world, "predicted_s": round(prediction, 4),
+                     "predicted_each_round_s": [round(p, 4) for p in predicted[name]], "measured_s": round(median, 4),
                      "measured_each_round_s": [round(m, 4) for m in measured[name]],
-                     "error": round(predicted / median - 1, 4)})  # fmt: skip
-        print(f"{name:>20} world {world}: predicted {predicted:.3f} s, measured {median:.3f} s "
-              f"({100 * (predicted / median - 1):+.1f} %)", flush=True)  # fmt: skip
+                     "error": round(prediction / median - 1, 4)})  # fmt: skip
+        print(f"{name:>20} world {world}: predicted {prediction:.3f} s, measured {median:.3f} s "
+              f"({100 * (prediction / median - 1):+.1f} %)", flush=True)  # fmt: skip
     mape = statistics.fmean(abs(r["error"]) for r in rows)
     tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     return {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3), **separated(rows)}

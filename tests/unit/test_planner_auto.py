@@ -54,7 +54,7 @@ def ranked(cfg, world: int):
     arch = from_model_config(cfg.model.model_copy(update={"vocab_size": vocab_size(cfg)}))
     t = cfg.training
     return search(arch, auto_cluster(cfg, world), t.global_batch_size, seq_len=t.seq_len, world=world,
-                  precision=precision_for(t.dtype, 0)).plans  # fmt: skip
+                  precision=precision_for(t.dtype, 0), log_interval=t.log_interval).plans  # fmt: skip
 
 
 # Plain data parallelism with ZeRO-1; HSDP × Megatron SP × an interleaved pipeline; Ulysses × tp × pp.
@@ -184,8 +184,9 @@ def test_auto_in_a_torchrun_worker_is_refused(spec, monkeypatch, capsys):
 
 def test_train_runs_the_planned_layout(tmp_path, spec):
     """Catches: a launch that prints a choice but runs another layout (workers planning again, the
-    overrides not passed on), or a run that does not start with it."""
-    cfg = auto(spec)
+    overrides not passed on), or a run that does not start with it. Planned with the run's logging
+    interval, which the planner prices."""
+    cfg = auto(spec, "--training.log_interval=1")
     choice = choose_layout(cfg, 2, auto_cluster(cfg, 2))
     args = [sys.executable, "-m", "loomtrain.cli", "train", "--nproc", "2", *TINY, "--parallel.auto=true",
             f"--parallel.auto_cluster={spec}", f"--run.out_dir={tmp_path}", "--run.name=auto", "--training.steps=2",

@@ -20,11 +20,14 @@ from loomtrain.planner.memory import MIXED_ADAM, Layout, device_params
 from loomtrain.planner.published import MEGATRON_TABLE1, layout_of
 from loomtrain.planner.time import (
     DGX_A100,
+    LOG_ALL_REDUCES,
+    LOG_MESSAGE_BYTES,
     all_to_all_seconds,
     dp_all_reduce_seconds,
     flops_per_step,
     gemm_seconds,
     layer_seconds,
+    logging_seconds,
     loss_seconds,
     micro_batch_seconds,
     p2p_seconds,
@@ -299,3 +302,21 @@ def test_full_recomputation_adds_exactly_one_forward_to_the_backward():
     forward, plain, _ = layer_seconds(GPT_18B, _layout(recompute="none"), DGX_A100)
     _, recomputed, _ = layer_seconds(GPT_18B, _layout(recompute="full"), DGX_A100)
     assert recomputed == pytest.approx(plain + forward, rel=1e-12)
+
+
+def test_logging_collectives_are_priced_per_logged_step_over_their_groups():
+    """Catches: the trainer's logging all-reduces priced over the wrong groups (three over all ranks,
+    the loss's mean over the gradient ranks only: none at tp 8, whose gradient group is one rank), not
+    spread over ``log_interval`` steps, or priced for the published runs (``log_interval`` 0)."""
+    assert step_time(GPT_18B, _layout(), DGX_A100).logging == 0
+    layout = _layout(log_interval=4, tp=8, dp=1, pp=2)
+    small = DGX_A100.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, 16, 1)
+    assert logging_seconds(layout, DGX_A100) == pytest.approx(LOG_ALL_REDUCES * small / 4)
+    with_dp = _layout(log_interval=1, tp=8, dp=2, pp=1)
+    grad = DGX_A100.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, 2, 8)
+    world = DGX_A100.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, 16, 1)
+    assert logging_seconds(with_dp, DGX_A100) == pytest.approx(LOG_ALL_REDUCES * world + grad)
+    st = step_time(GPT_18B, with_dp, DGX_A100)
+    assert st.total == pytest.approx(st.pipeline + st.dp_exposed + st.optimizer + st.grad_passes + st.logging)
+    with pytest.raises(ValueError, match="log_interval"):
+        _layout(log_interval=-1)

@@ -197,9 +197,9 @@ def _accepted(cfg: Config, overrides: list[str], world: int) -> Config | str:
 def choose_layout(cfg: Config, world: int, cluster: Cluster) -> AutoChoice:
     """The fastest layout of ``cfg``'s model for ``world`` processes on ``cluster`` that loomtrain
     accepts, and the runner-up. Plans come from :func:`~loomtrain.planner.search.search` with the
-    config's global batch, sequence length and ``training.dtype`` (the ZeRO-0 precision of
-    :func:`~loomtrain.planner.memory.precision_for`); faster plans whose config loomtrain refuses
-    (e.g. Megatron SP with ZeRO-3, a pipeline with a tied embedding) are skipped.
+    config's global batch, sequence length, ``training.dtype`` (the ZeRO-0 precision of
+    :func:`~loomtrain.planner.memory.precision_for`) and ``training.log_interval``; faster plans whose
+    config loomtrain refuses (e.g. Megatron SP with ZeRO-3, a pipeline with a tied embedding) are skipped.
 
     Raises:
         ConfigError: the vocabulary size cannot be known (:func:`vocab_size`), the cluster has fewer
@@ -210,7 +210,7 @@ def choose_layout(cfg: Config, world: int, cluster: Cluster) -> AutoChoice:
     t = cfg.training
     try:
         result = search(arch, cluster, t.global_batch_size, seq_len=t.seq_len, world=world,
-                        precision=precision_for(t.dtype, 0))  # fmt: skip
+                        precision=precision_for(t.dtype, 0), log_interval=t.log_interval)  # fmt: skip
     except ValueError as err:
         raise ConfigError(f"parallel.auto=true: {err} (parallel.auto_cluster, --nproc)") from None
     found: list[tuple[Plan, list[str], Config]] = []

@@ -83,8 +83,9 @@ MIN_CALLS = 3
 # Calls of each timed collective (a fixed count: a window would let ranks disagree on it and hang).
 COLLECTIVE_CALLS = 20
 # Calls of a curve's collective by message size: about 0.1 s of calls or more at this machine's
-# 0.5-2 ms per small message (fewer calls left the 4 KiB figure twice the 64 KiB one).
-CURVE_CALLS = {4 * 2**10: 100, 64 * 2**10: 100, 2**20: 50, 8 * 2**20: 20}
+# 0.5-2 ms per small message (fewer calls left the 4 KiB figure twice the 64 KiB one); 32 MiB takes
+# 20-90 ms a call here.
+CURVE_CALLS = {4 * 2**10: 100, 64 * 2**10: 100, 2**20: 50, 8 * 2**20: 20, 32 * 2**20: 5}
 # The compute before each timed collective of a curve (m, k, n of a GEMM): _timed_collective.
 BURST_SHAPE = (512, 512, 1024)
 # Collectives in a new group before it is timed (gloo connects a group's pairs lazily, on first use).
@@ -111,7 +112,9 @@ POOL_BYTES = 256 * 2**20
 # host: 96 MiB each; the measuring ranks hold about twice their pool at the peak).
 POOL_MEMORY_SHARE = 1 / 16
 # Message sizes of the measured collective curves: a small model's tensor-parallel activations (64 KiB
-# to 1 MiB) up to gradient buckets (8 MiB; larger ones continue the last segment's bandwidth).
+# to 1 MiB) up to gradient buckets (loomtrain's are 25 MiB by default; larger messages continue the
+# last segment's bandwidth). Beyond the last-level cache a byte costs more: extrapolated from 8 MiB,
+# a 48.6 MiB all-reduce over 4 ranks here was priced 65 ms and took 77-87 ms.
 CURVE_BYTES = tuple(CURVE_CALLS)
 LATENCY_BYTES = 4
 # A rank holding less than this share of its fair share of a core while measuring was disturbed.

@@ -103,9 +103,12 @@ class Layout:
             into them, the first into zeros (:func:`~loomtrain.planner.time.grad_accumulation_seconds`;
             loomtrain's ZeRO drops its gradients instead); False: the first micro-batch's gradients
             are written (how the published runs are priced).
+        log_interval: loomtrain's trainer logs every ``log_interval`` steps (``training.log_interval``),
+            each logged step a few small collectives (:func:`~loomtrain.planner.time.logging_seconds`);
+            0: none priced (the published runs, whose logging is not known).
 
     Raises:
-        ValueError: a degree or size below 1, an unknown ``zero_stage``, ``schedule`` or
+        ValueError: a degree or size below 1, a negative ``log_interval``, an unknown ``zero_stage``, ``schedule`` or
             ``recompute``, ``dp_replicate`` not dividing ``dp``, or ``virtual_stages > 1`` without
             ``interleaved_1f1b``.
     """
@@ -129,11 +132,14 @@ class Layout:
     zero_gather_copies: bool = True
     fused_optimizer: bool = False
     zeroed_grad_buffers: bool = True
+    log_interval: int = 0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "sp", "dp_replicate", "n_micro", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name}={getattr(self, name)} must be at least 1")
+        if self.log_interval < 0:
+            raise ValueError(f"Layout.log_interval={self.log_interval} must be 0 (no logging priced) or more")
         if self.dp % self.dp_replicate:
             raise ValueError(f"Layout.dp_replicate={self.dp_replicate} must divide dp={self.dp}")
         if self.zero_stage not in (0, 1, 2, 3):

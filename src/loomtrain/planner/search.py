@@ -123,7 +123,7 @@ def _shapes(arch: Architecture, world: int, batch: int, seq_len: int,
 
 
 def _variants(arch: Architecture, shape: tuple[int, ...], batch: int, seq_len: int, precision: Precision,
-              cluster: Cluster, counts: collections.Counter) -> list[Layout]:  # fmt: skip
+              cluster: Cluster, counts: collections.Counter, log_interval: int = 0) -> list[Layout]:  # fmt: skip
     """Every Layout of one shape: schedules, ZeRO stages (and HSDP at stage 3), SP, recomputation."""
     tp, sp, pp, dp, b = shape
     n_micro = batch // (dp * b)
@@ -140,19 +140,21 @@ def _variants(arch: Architecture, shape: tuple[int, ...], batch: int, seq_len: i
         for (zero, replicate), recompute, seq_par in itertools.product(zeros, RECOMPUTE, seq_pars):
             layouts.append(Layout(seq_len=seq_len, micro_batch=b, dp=dp, tp=tp, pp=pp, sp=sp, dp_replicate=replicate,
                                   sequence_parallel=seq_par, zero_stage=zero, n_micro=n_micro, schedule=schedule,
-                                  virtual_stages=v, recompute=recompute, precision=precision))  # fmt: skip
+                                  virtual_stages=v, recompute=recompute, precision=precision,
+                                  log_interval=log_interval))  # fmt: skip
     return layouts
 
 
 def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int | None = None,
            world: int | None = None, precision: Precision = MIXED_ADAM, memory_fraction: float = 0.9,
-           top: int | None = None) -> SearchResult:  # fmt: skip
+           top: int | None = None, log_interval: int = 0) -> SearchResult:  # fmt: skip
     """Every layout of ``arch`` on ``world`` GPUs of ``cluster`` (default: all of them) for
     ``global_batch`` sequences of ``seq_len`` tokens (default: ``arch.max_seq_len``), ranked by step time.
 
     ``memory_fraction``: the share of device memory the predicted bytes may fill; the rest is left
     for what the memory model leaves out (CUDA context, allocator fragmentation, communication
-    buffers, ZeRO-3 gathered layers: docs/planner.md).
+    buffers, ZeRO-3 gathered layers: docs/planner.md). ``log_interval``: loomtrain's trainer logs
+    every so many steps, each logged step's collectives priced (``Layout.log_interval``; 0: none).
 
     Returns: the plans, the rejections by reason, and ``considered``: the layouts built (priced or
     refused for memory; the other reasons refuse whole shapes before their layouts are built).
@@ -174,7 +176,7 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
     counts: collections.Counter = collections.Counter()
     plans, considered = [], 0
     for shape in _shapes(arch, world, global_batch, seq_len, counts):
-        for layout in _variants(arch, shape, global_batch, seq_len, precision, cluster, counts):
+        for layout in _variants(arch, shape, global_batch, seq_len, precision, cluster, counts, log_interval):
             considered += 1
             memory = estimate(arch, layout).total
             if memory > limit:
