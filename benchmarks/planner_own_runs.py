@@ -108,12 +108,14 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
     layouts = {name: layout_of(*CONFIGS[name], vocab) for name in names}
     measured: dict[str, list[float]] = {name: [] for name in names}
     predicted: dict[str, list[float]] = {name: [] for name in names}
+    specs: dict[int, ClusterSpec] = {}
     with tempfile.TemporaryDirectory() as out_dir:
         for r in range(rounds):
             # Each round's spec measured just before its runs (the machine's speed drifts 10-20 % over
-            # an afternoon, and a calibration's GEMM rate moved 0.146-0.187 TFLOP/s between rounds
-            # while the runs moved 5 %); cached, so --parallel.auto below plans on the last one.
-            clusters = {w: quiet_spec(w).to_cluster() for w in sorted({CONFIGS[n][0] for n in names})}
+            # an afternoon, and calibrations an hour apart put the GEMM rate at 0.146 and 0.187 TFLOP/s
+            # while the runs moved 1 %); cached, so --parallel.auto below plans on the last one.
+            specs = {w: quiet_spec(w, fallback=specs.get(w)) for w in sorted({CONFIGS[n][0] for n in names})}
+            clusters = {w: spec.to_cluster() for w, spec in specs.items()}
             for name in names if r % 2 == 0 else names[::-1]:
                 predicted[name].append(step_time(*layouts[name], clusters[CONFIGS[name][0]]).total)
                 measured[name].append(run_step_seconds(*CONFIGS[name], out_dir, name)[0])
@@ -133,18 +135,21 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
     return {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3), **separated(rows)}
 
 
-def quiet_spec(ranks: int, tries: int = 3) -> ClusterSpec:
+def quiet_spec(ranks: int, tries: int = 3, fallback: ClusterSpec | None = None) -> ClusterSpec:
     """This machine's spec of ``ranks`` ranks measured now and cached; measured again, up to ``tries``
     times, as long as the measurement was disturbed (a spec measured under load priced every layout
-    20 % slow, 2026-12-04 13:22).
+    20 % slow, 2026-12-04 13:22); after that ``fallback`` (the last round's spec), said so, where given.
 
     Raises:
-        SystemExit: ``tries`` calibrations in a row were disturbed.
+        SystemExit: ``tries`` calibrations in a row were disturbed and there is no ``fallback``.
     """
     for _ in range(tries):
         text = calibrate(ranks)
         if cache_spec(ranks, text):
             return parse_cluster_spec(tomllib.loads(text), where=f"{ranks} ranks")
+    if fallback is not None:
+        print(f"{tries} calibrations of {ranks} ranks were disturbed: this round keeps the last one's spec", flush=True)
+        return fallback
     raise SystemExit(f"{tries} calibrations of {ranks} ranks were disturbed by other processes: rerun when quiet")
 
 

@@ -190,16 +190,17 @@ def test_plan_takes_a_loomtrain_config_and_refuses_more_gpus_than_the_cluster(tm
     assert "--gpus=2048 is more than the cluster's 1024" in capsys.readouterr().err
 
 
-def test_plan_prices_a_config_in_its_own_dtype(tmp_path, monkeypatch):
+def test_plan_prices_a_config_in_its_own_dtype_and_logging(tmp_path, monkeypatch):
     """Catches (a fresh user's break test): `plan --model config.toml` pricing an fp32 config in bf16
-    mixed precision while `--parallel.auto` priced it in fp32, two prices for one layout."""
+    mixed precision while `--parallel.auto` priced it in fp32, two prices for one layout; and the
+    same for the trainer's logging collectives (`training.log_interval`; none for a preset)."""
     seen = []
-    monkeypatch.setattr(planner_cli, "search", lambda *args, **kwargs: seen.append(kwargs["precision"]) or
-                        search(*args, **kwargs))  # fmt: skip
-    for dtype in ("fp32", "bf16"):
+    monkeypatch.setattr(planner_cli, "search", lambda *args, **kwargs: seen.append(
+        (kwargs["precision"], kwargs["log_interval"])) or search(*args, **kwargs))  # fmt: skip
+    for dtype, interval in (("fp32", 1), ("bf16", 7)):
         config = tmp_path / f"{dtype}.toml"
         config.write_text(f"[model]\nn_layers = 2\ndim = 128\nn_heads = 4\nvocab_size = 100\nmax_seq_len = 64\n"
-                          f"[training]\ndtype = \"{dtype}\"\n")  # fmt: skip
+                          f"[training]\ndtype = \"{dtype}\"\nlog_interval = {interval}\n")  # fmt: skip
         assert cmd_plan(["--model", str(config), "--cluster", "dgx-a100", "--global-batch", "8", "--gpus", "2"]) == 0
     assert cmd_plan(["--model", "llama3.2-1b", "--cluster", "dgx-a100", "--global-batch", "8", "--gpus", "8"]) == 0
-    assert seen == [precision_for("fp32", 0), precision_for("bf16", 0), MIXED_ADAM]
+    assert seen == [(precision_for("fp32", 0), 1), (precision_for("bf16", 0), 7), (MIXED_ADAM, 0)]

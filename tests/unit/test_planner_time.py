@@ -20,8 +20,7 @@ from loomtrain.planner.memory import MIXED_ADAM, Layout, device_params
 from loomtrain.planner.published import MEGATRON_TABLE1, layout_of
 from loomtrain.planner.time import (
     DGX_A100,
-    LOG_ALL_REDUCES,
-    LOG_MESSAGE_BYTES,
+    LOG_WORLD_ALL_REDUCES,
     all_to_all_seconds,
     dp_all_reduce_seconds,
     flops_per_step,
@@ -305,18 +304,24 @@ def test_full_recomputation_adds_exactly_one_forward_to_the_backward():
 
 
 def test_logging_collectives_are_priced_per_logged_step_over_their_groups():
-    """Catches: the trainer's logging all-reduces priced over the wrong groups (three over all ranks,
-    the loss's mean over the gradient ranks only: none at tp 8, whose gradient group is one rank), not
+    """Catches: the trainer's logging all-reduces priced over the wrong groups (all ranks, ``sp``
+    included, for the world's; the loss's mean over the gradient ranks only: none at tp 8, whose
+    gradient group is one rank), the overlap timer's all-reduce counted off a CPU (or not on one),
+    small messages priced by a ring's ``2(n - 1)`` latencies instead of a tree's ``2·log2 n``, not
     spread over ``log_interval`` steps, or priced for the published runs (``log_interval`` 0)."""
     assert step_time(GPT_18B, _layout(), DGX_A100).logging == 0
-    layout = _layout(log_interval=4, tp=8, dp=1, pp=2)
-    small = DGX_A100.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, 16, 1)
-    assert logging_seconds(layout, DGX_A100) == pytest.approx(LOG_ALL_REDUCES * small / 4)
-    with_dp = _layout(log_interval=1, tp=8, dp=2, pp=1)
-    grad = DGX_A100.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, 2, 8)
-    world = DGX_A100.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, 16, 1)
-    assert logging_seconds(with_dp, DGX_A100) == pytest.approx(LOG_ALL_REDUCES * world + grad)
-    st = step_time(GPT_18B, with_dp, DGX_A100)
+    latency = DGX_A100.inter_latency_s
+    layout = _layout(log_interval=4, tp=8, dp=1, pp=2, sp=2)  # 32 ranks, a gradient group of sp = 2
+    world, grad = 2 * 5 * latency, 2 * 1 * latency
+    assert logging_seconds(layout, DGX_A100) == pytest.approx((LOG_WORLD_ALL_REDUCES * world + grad) / 4)
+    one_grad_rank = replace(layout, sp=1)
+    assert logging_seconds(one_grad_rank, DGX_A100) == pytest.approx(LOG_WORLD_ALL_REDUCES * 2 * 4 * latency / 4)
+    curve = (("all_reduce", 2, ((4096.0, 1e-3), (2**20, 3e-3))),)
+    cpu = replace(DGX_A100, devices_per_host=2, collective_curves=curve,
+                  device=replace(DGX_A100.device, gemm_curve=((1e6, 1e11),)))  # fmt: skip
+    timer_on = LOG_WORLD_ALL_REDUCES + 1  # and the loss's mean over the same 2 ranks
+    assert logging_seconds(Layout(seq_len=64, dp=2, log_interval=1), cpu) == pytest.approx((timer_on + 1) * 1e-3)
+    st = step_time(GPT_18B, layout, DGX_A100)
     assert st.total == pytest.approx(st.pipeline + st.dp_exposed + st.optimizer + st.grad_passes + st.logging)
     with pytest.raises(ValueError, match="log_interval"):
         _layout(log_interval=-1)

@@ -113,8 +113,8 @@ POOL_BYTES = 256 * 2**20
 POOL_MEMORY_SHARE = 1 / 16
 # Message sizes of the measured collective curves: a small model's tensor-parallel activations (64 KiB
 # to 1 MiB) up to gradient buckets (loomtrain's are 25 MiB by default; larger messages continue the
-# last segment's bandwidth). Beyond the last-level cache a byte costs more: extrapolated from 8 MiB,
-# a 48.6 MiB all-reduce over 4 ranks here was priced 65 ms and took 77-87 ms.
+# last segment's bandwidth). Larger messages cost more per byte here: extrapolated from 8 MiB, a
+# 48.6 MiB all-reduce over 4 ranks was priced 65 ms and took 77-87 ms.
 CURVE_BYTES = tuple(CURVE_CALLS)
 LATENCY_BYTES = 4
 # A rank holding less than this share of its fair share of a core while measuring was disturbed.

@@ -83,6 +83,17 @@ def resolve_precision(name: str) -> Precision:
     return precision_for(load_config(name).training.dtype, 0)
 
 
+def resolve_log_interval(name: str) -> int:
+    """The logging interval ``--model`` is planned with (``Layout.log_interval``): a loomtrain
+    config's ``training.log_interval``, as ``--parallel.auto`` plans it, else 0 (a preset: no
+    trainer's logging priced)."""
+    if not Path(name).is_file() or name in ARCH_PRESETS:
+        return 0
+    from loomtrain.config import load_config
+
+    return load_config(name).training.log_interval
+
+
 def _count(n: float) -> str:
     """``174.6B``, ``12.6M``, ``65.3K``: a parameter count at a readable scale."""
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
@@ -147,7 +158,8 @@ def cmd_plan(argv: list[str]) -> int:
         arch = resolve_model(args.model)
         spec = load_cluster_spec(args.cluster)
         result = search(arch, spec.to_cluster(), args.global_batch, seq_len=args.seq_len, world=args.gpus,
-                        precision=resolve_precision(args.model), memory_fraction=args.memory_fraction)  # fmt: skip
+                        precision=resolve_precision(args.model), memory_fraction=args.memory_fraction,
+                        log_interval=resolve_log_interval(args.model))  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -123,7 +123,7 @@ def _shapes(arch: Architecture, world: int, batch: int, seq_len: int,
 
 
 def _variants(arch: Architecture, shape: tuple[int, ...], batch: int, seq_len: int, precision: Precision,
-              cluster: Cluster, counts: collections.Counter, log_interval: int = 0) -> list[Layout]:  # fmt: skip
+              cluster: Cluster, counts: collections.Counter, log_interval: int) -> list[Layout]:  # fmt: skip
     """Every Layout of one shape: schedules, ZeRO stages (and HSDP at stage 3), SP, recomputation."""
     tp, sp, pp, dp, b = shape
     n_micro = batch // (dp * b)
@@ -161,7 +161,8 @@ def search(arch: Architecture, cluster: Cluster, global_batch: int, seq_len: int
 
     Raises:
         ValueError: no GPU count (``world`` not given and the cluster has no hosts), more GPUs than the
-            cluster has, a global batch below 1, or a sequence longer than ``arch.max_seq_len``.
+            cluster has, a global batch below 1, a sequence longer than ``arch.max_seq_len``, or a
+            negative ``log_interval`` (from :class:`~loomtrain.planner.memory.Layout`).
     """
     world = world or cluster.gpus
     if world < 1 or global_batch < 1:

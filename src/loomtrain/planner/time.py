@@ -5,6 +5,7 @@ Arithmetic on an :class:`~loomtrain.planner.arch.Architecture`, a
 one pipeline (every data-parallel replica runs the same) is
 
     step = m · (t_f + t_b) / (1 - bubble) + exposed data-parallel all-reduce + optimizer step
+           + passes over the gradients + the trainer's logging collectives
 
 with ``m`` micro-batches, ``t_f`` and ``t_b`` the forward and backward of one micro-batch on the
 slowest pipeline stage (its GEMMs, its memory-bound elementwise kernels, its tensor-parallel
@@ -46,12 +47,15 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
   backward, and reduce-scatters its gradients, over the ``dp_shard · sp`` ranks, layer by layer; prefetching
   overlaps them with compute (DeepSpeed's ``stage3_prefetch_bucket_size``, ``overlap_comm``), so a
   micro-batch's forward takes the longer of its compute and its gathers, its backward likewise.
+- loomtrain's passes over its gradients (:func:`grad_passes_seconds`) and its trainer's logging
+  collectives (:func:`logging_seconds`), counted from its code; 0 for the published runs.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -668,28 +672,40 @@ def grad_accumulation_seconds(arch: Architecture, layout: Layout, cluster: Clust
 
 
 # The all-reduces of one logged step of loomtrain's trainer over all ranks (metrics.py's step_record:
-# the peak memory's maximum, the bytes sent per axis, the gradient-overlap timer's totals; the timer
-# is off on CUDA, where NCCL's few microseconds make the difference negligible), beside the loss's
-# mean over the gradient ranks (trainer.py's _log_step). Each carries a few numbers.
-LOG_ALL_REDUCES = 3
+# the peak memory's maximum and the bytes sent per axis; on a CPU also the gradient-overlap timer's
+# totals, profiling.py's overlap_figures: the timer is off on CUDA), beside the loss's mean over the
+# gradient ranks (trainer.py's _log_step). Each carries a few numbers.
+LOG_WORLD_ALL_REDUCES = 2
 LOG_MESSAGE_BYTES = 64
 
 
 def logging_seconds(layout: Layout, cluster: Cluster) -> float:
     """Seconds per step of loomtrain's logging collectives: every ``layout.log_interval`` steps,
-    :data:`LOG_ALL_REDUCES` all-reduces over all ranks and one over the ``grad_ranks``, each of
-    :data:`LOG_MESSAGE_BYTES` (latency-bound: on this machine's gloo 1-2 ms over 2 ranks, 6 ms over 4
-    on 2 cores; a width-64 model's dp 4 step measured 41 ms against 16 ms priced without them). 0
-    where ``log_interval`` is 0."""
+    :data:`LOG_WORLD_ALL_REDUCES` all-reduces over all ranks (one more on a calibrated device, a
+    CPU, where gloo runs and the overlap timer is on) and one over the ``grad_ranks``, each of
+    :data:`LOG_MESSAGE_BYTES`: latency-bound, :func:`small_all_reduce_seconds` (on this machine's
+    gloo 1-2 ms over 2 ranks, 6 ms over 4 on 2 cores; a width-64 model's dp 4 step measured 41 ms
+    against 16 ms priced without them). 0 where ``log_interval`` is 0 (the published runs). Not in
+    loomtrain's own tokens/s, which times the training step alone."""
     if not layout.log_interval:
         return 0.0
-    world = layout.dp * layout.tp * layout.pp * layout.sp
+    world_calls = LOG_WORLD_ALL_REDUCES + bool(cluster.device.gemm_curve)
+    world = world_calls * small_all_reduce_seconds(layout.gpus, 1, cluster)
+    return (world + small_all_reduce_seconds(layout.grad_ranks, layout.tp, cluster)) / layout.log_interval
 
-    def all_reduce(ranks: int, stride: int) -> float:
-        streams = _host_streams(stride, ranks, cluster)
+
+def small_all_reduce_seconds(ranks: int, stride: int, cluster: Cluster) -> float:
+    """Seconds of an all-reduce of :data:`LOG_MESSAGE_BYTES` over ``ranks`` ranks ``stride`` apart:
+    the measured curve's smallest message where the spec has one inside a host, else
+    ``2·⌈log2 n⌉`` link latencies (a tree's reduce and broadcast, as NCCL runs small messages:
+    NCCL 2.4's double binary trees; a ring's ``2(n - 1)`` steps would price 1,024 GPUs 20 ms). 0
+    for one rank."""
+    if ranks <= 1:
+        return 0.0
+    streams = _host_streams(stride, ranks, cluster)
+    if cluster.collective_curves and not streams:
         return cluster.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, ranks, streams)
-
-    return (LOG_ALL_REDUCES * all_reduce(world, 1) + all_reduce(layout.grad_ranks, layout.tp)) / layout.log_interval
+    return 2 * math.ceil(math.log2(ranks)) * cluster.link(streams, ranks)[1]
 
 
 def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float, core_share: float) -> float:
