@@ -70,28 +70,19 @@ def resolve_model(name: str) -> Architecture:
     raise ValueError(f"--model={name!r}: not a file and not a preset; presets: {known}")
 
 
-def resolve_precision(name: str) -> Precision:
-    """The element sizes ``--model`` is planned with: a loomtrain config's ``training.dtype`` (the
-    ZeRO-0 precision of :func:`~loomtrain.planner.memory.precision_for`, as ``--parallel.auto``
-    plans it), else bf16 mixed precision with fp32 masters (``MIXED_ADAM``: the presets are planned
-    for GPUs). A fresh user's break test found an fp32 CPU config planned in bf16 by ``plan`` and in
-    fp32 by ``--parallel.auto``, so the same layout had two prices."""
+def resolve_training(name: str) -> tuple[Precision, int]:
+    """``(element sizes, logging interval)`` ``--model`` is planned with, as ``--parallel.auto`` plans
+    a config: a loomtrain config's ``training.dtype`` (the ZeRO-0 precision of
+    :func:`~loomtrain.planner.memory.precision_for`) and ``training.log_interval``; a preset's bf16
+    mixed precision with fp32 masters (``MIXED_ADAM``: the presets are planned for GPUs) and 0 (no
+    trainer's logging priced). A fresh user's break test found an fp32 CPU config planned in bf16 by
+    ``plan`` and in fp32 by ``--parallel.auto``, so the same layout had two prices."""
     if not Path(name).is_file() or name in ARCH_PRESETS:
-        return MIXED_ADAM
+        return MIXED_ADAM, 0
     from loomtrain.config import load_config
 
-    return precision_for(load_config(name).training.dtype, 0)
-
-
-def resolve_log_interval(name: str) -> int:
-    """The logging interval ``--model`` is planned with (``Layout.log_interval``): a loomtrain
-    config's ``training.log_interval``, as ``--parallel.auto`` plans it, else 0 (a preset: no
-    trainer's logging priced)."""
-    if not Path(name).is_file() or name in ARCH_PRESETS:
-        return 0
-    from loomtrain.config import load_config
-
-    return load_config(name).training.log_interval
+    training = load_config(name).training
+    return precision_for(training.dtype, 0), training.log_interval
 
 
 def _count(n: float) -> str:
@@ -157,9 +148,10 @@ def cmd_plan(argv: list[str]) -> int:
     try:
         arch = resolve_model(args.model)
         spec = load_cluster_spec(args.cluster)
+        precision, log_interval = resolve_training(args.model)
         result = search(arch, spec.to_cluster(), args.global_batch, seq_len=args.seq_len, world=args.gpus,
-                        precision=resolve_precision(args.model), memory_fraction=args.memory_fraction,
-                        log_interval=resolve_log_interval(args.model))  # fmt: skip
+                        precision=precision, memory_fraction=args.memory_fraction,
+                        log_interval=log_interval)  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -167,6 +167,13 @@ class Cluster:
             return busbw * self.link_efficiency, latency
         return self.intra_bytes_per_s * self.link_efficiency, self.intra_latency_s
 
+    def measured_curve(self, op: str, size: int, streams: int) -> tuple[tuple[float, float], ...]:
+        """The measured ``(bytes, seconds)`` curve that prices ``op`` over ``size`` ranks: inside a host
+        (``streams`` 0) where :attr:`collective_curves` has ``op``, the one of the largest measured
+        group size up to ``size`` (the smallest measured one below it); else empty."""
+        curves = [] if streams else [(g, points) for o, g, points in self.collective_curves if o == op]
+        return max([c for c in curves if c[0] <= size] or [min(curves)])[1] if curves else ()
+
     def collective_seconds(self, op: str, nbytes: float, size: int, streams: int) -> float:
         """Seconds of one ``op`` of ``nbytes`` (nccl-tests' message size, :attr:`collective_curves`)
         over a group of ``size`` ranks, ``streams`` of a host's ranks crossing the network at once
@@ -177,9 +184,9 @@ class Cluster:
         ``(n - 1)/n`` of the buffer, one message per peer). 0 for one rank."""
         if size <= 1:
             return 0.0
-        curves = [] if streams else [(g, points) for o, g, points in self.collective_curves if o == op]
-        if curves:
-            return curve_seconds(max([c for c in curves if c[0] <= size] or [min(curves)])[1], nbytes)
+        points = self.measured_curve(op, size, streams)
+        if points:
+            return curve_seconds(points, nbytes)
         bandwidth, latency = self.link(streams, size)
         if op == "all_reduce":
             return ring_all_reduce_seconds(nbytes, size, bandwidth, latency)
@@ -703,8 +710,9 @@ def small_all_reduce_seconds(ranks: int, stride: int, cluster: Cluster) -> float
     if ranks <= 1:
         return 0.0
     streams = _host_streams(stride, ranks, cluster)
-    if cluster.collective_curves and not streams:
-        return cluster.collective_seconds("all_reduce", LOG_MESSAGE_BYTES, ranks, streams)
+    points = cluster.measured_curve("all_reduce", ranks, streams)
+    if points:
+        return curve_seconds(points, LOG_MESSAGE_BYTES)
     return 2 * math.ceil(math.log2(ranks)) * cluster.link(streams, ranks)[1]
 
 
