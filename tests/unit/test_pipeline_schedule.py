@@ -15,6 +15,7 @@ from loomtrain.distributed.pipeline.schedule import (
     forward_only_schedule,
     peak_in_flight,
     rank_stages,
+    shared_core_makespan,
     simulate,
     stage_rank,
     theoretical_bubble,
@@ -233,3 +234,27 @@ def test_simulate_with_stage_times_shows_the_cost_of_an_unbalanced_stage():
     slow_last = simulate(schedule, 2, stage_times={**same, ("F", 1): 1.5, ("B", 1): 3.0})
     bubble = bubble_fraction([[(start, end) for _, start, end in lane] for lane in slow_last])
     assert bubble > theoretical_bubble("1f1b", 2, 4) + 0.05
+
+
+@pytest.mark.parametrize(("name", "pp", "m", "v"), _configs())
+def test_shared_core_replay_on_dedicated_cores_without_send_times_is_simulate(name, pp, m, v):
+    """Catches: the processor-sharing replay breaking a dependency or the order of a rank's actions
+    (its last end would then differ from simulate's on every schedule, split and interleaved ones too)."""
+    schedule = build_schedule(name, pp, m, v)
+    last_end = max(end for lane in simulate(schedule, pp, v, 1.3, 2.1) for _, _, end in lane)
+    assert shared_core_makespan(schedule, pp, v, 1.3, 2.1) == pytest.approx(last_end, rel=1e-12)
+
+
+def test_shared_cores_lend_an_idle_ranks_core_and_sends_delay_only_the_receiver():
+    """Catches: a busy rank run at the shared rate while its neighbour idles, a send charged to the
+    sender's compute, or a send time put on the wrong boundary. 1F1B, pp 2, 2 micro-batches, t_f 1,
+    t_b 2 at half a core each, worked by hand: F0s0 alone (speed 2) ends 0.5; F1s0 and F0s1 share
+    (speed 1) to 1.5; B0s1 alone to 2.5; B0s0 and F1s1 to 3.5; B0s0's last unit beside B1s1 to 4.5;
+    B1s1 alone to 5; B1s0 alone to 6. With one micro-batch and 0.25 s sends: 0.5 + 0.25 + 0.5 + 1 +
+    0.25 + 1 = 3.5; the same send time on the wrap boundary (unused by 1F1B) costs nothing."""
+    assert shared_core_makespan(build_schedule("1f1b", 2, 2), 2, 1, 1.0, 2.0, core_share=0.5) == pytest.approx(6.0)
+    one = build_schedule("1f1b", 2, 1)
+    assert shared_core_makespan(one, 2, 1, 1.0, 2.0, (0.25,), 0.5) == pytest.approx(3.5)
+    assert shared_core_makespan(one, 2, 1, 1.0, 2.0, (0.0, 0.25), 0.5) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="core_share"):
+        shared_core_makespan(one, 2, 1, core_share=0.0)

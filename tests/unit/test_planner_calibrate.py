@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loomtrain.config import ModelConfig
 from loomtrain.distributed.collectives import OPS
+from loomtrain.distributed.pipeline.schedule import build_schedule, shared_core_makespan
 from loomtrain.models.llama import TransformerBlock, rope_cache
 from loomtrain.planner import calibrate as calibrate_module
 from loomtrain.planner.arch import from_model_config
@@ -529,9 +530,13 @@ def test_ranks_sharing_cores_do_not_lose_the_pipeline_bubble(monkeypatch):
     measured 1.10 s where 1.34 s was priced: an idle stage's core runs the other stage's ranks),
     sharing assumed where each rank has its own core (pp 2 at world 2 measured as priced), or a
     calibrated spec of more ranks than cores not saying so."""
-    assert pipeline_seconds(4, 0.1, 0.2, 0.2, 1.0) == pytest.approx(1.5)
-    assert pipeline_seconds(4, 0.1, 0.2, 0.2, 0.5) == pytest.approx(1.2)  # the work at the shared rate
-    assert pipeline_seconds(4, 0.1, 0.2, 0.6, 0.5) == pytest.approx(1.5)  # the critical path at a whole core
+    assert pipeline_seconds(4, 0.1, 0.2, 0.2) == pytest.approx(1.5)
+    pp2, pp4 = build_schedule("1f1b", 2, 4), build_schedule("1f1b", 4, 4)
+    # pp 2's idle ranks lend their cores: the work at the shared rate
+    assert shared_core_makespan(pp2, 2, 1, 0.1, 0.2, core_share=0.5) == pytest.approx(1.2)
+    # pp 4's fill and drain leave cores idle beyond what the busy ranks can use: above its work (1.2),
+    # below its dedicated-core 1F1B at the shared rate (2.1)
+    assert 1.2 < shared_core_makespan(pp4, 4, 1, 0.1, 0.2, core_share=0.5) < 0.75 * 2.1
     monkeypatch.setattr(calibrate_module, "usable_cpus", lambda: 2)
     measured = {"curve": [(1e6, 1e10)], "memory": [(1e6, 1e10)], "collectives": {2: (1e9, 1e-4)}}
     shares = [

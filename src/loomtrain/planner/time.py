@@ -27,6 +27,9 @@ schedule's idle share from :func:`loomtrain.distributed.pipeline.schedule.theore
   share; the same again in backward.
 - Pipeline point-to-point: one activation ``b·s·h`` forward and one gradient backward per stage
   boundary, split over the ``t`` ranks' own network cards (Narayanan et al. §4.1 scatter/gather).
+  Priced as blocking sends inside ``t_f`` and ``t_b`` (Megatron-LM 2021's, and an upper bound for
+  loomtrain's non-blocking ones); where ranks share cores (a calibrated CPU spec) the pipeline is
+  instead replayed with each boundary's send overlapping compute (:func:`shared_pipeline_seconds`).
 - A host with one network link for all its devices (``Cluster.inter_shared_by_host``: an emulated
   cluster's shaped veth) rather than a card per GPU: the host's ranks that cross it at once share its
   rate, ``min(stride, devices_per_host)`` ring streams (or stage sends) for groups of ranks ``stride``
@@ -59,7 +62,7 @@ import math
 import operator
 from dataclasses import dataclass, replace
 
-from loomtrain.distributed.pipeline.schedule import theoretical_bubble
+from loomtrain.distributed.pipeline.schedule import build_schedule, shared_core_makespan, theoretical_bubble
 from loomtrain.planner.arch import Architecture
 from loomtrain.planner.cost import DEVICES, Device, Gemm, attention_times, head_times, layer_gemms
 from loomtrain.planner.memory import Layout, Precision, device_params, layers_per_chunk
@@ -101,7 +104,7 @@ class Cluster:
         core_share: the share of a core each rank holds while every rank computes (a calibrated CPU
             spec: ``min(1, cores / ranks)``; 1 for GPUs). Below 1 the spec's rates are measured at
             that share, and a rank's idle time, the pipeline bubble, is not lost: the ranks it shares
-            cores with run faster meanwhile (:func:`pipeline_seconds`).
+            cores with run faster meanwhile (:func:`shared_pipeline_seconds`).
         comm_overlap: whether the data-parallel and ZeRO-3 collectives can run under compute. True for
             GPUs (the copy engines and NCCL's kernels run beside the compute kernels); False for CPU
             ranks that occupy every core, where gloo's reductions and the kernel's socket copies
@@ -309,8 +312,10 @@ class StepTime:
             beyond what compute hides, and point-to-point sends.
         tp_comm: the tensor-parallel all-reduces and Ulysses all-to-alls inside ``forward + backward``.
         p2p: the point-to-point sends inside ``forward + backward``.
-        pipeline: the micro-batches on one pipeline, :func:`pipeline_seconds`.
-        bubble: the schedule's idle share of ``pipeline``.
+        pipeline: the micro-batches on one pipeline, :func:`pipeline_seconds` (on shared cores
+            :func:`shared_pipeline_seconds`).
+        bubble: the schedule's idle share of ``pipeline`` on dedicated devices (its formula,
+            :func:`~loomtrain.distributed.pipeline.schedule.theoretical_bubble`).
         dp_exposed: the data-parallel all-reduce not hidden behind the last backward.
         optimizer: the optimizer step (memory-bound: every state read and written once).
         zero3_comm: one micro-batch's ZeRO-3 gathers and reduce-scatter (overlapped with compute).
@@ -444,6 +449,23 @@ def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     stride = layout.tp * layout.sp * layout.dp
     bandwidth, latency = cluster.link(_host_streams(stride, layout.pp, cluster), 2)
     return nbytes / bandwidth + latency
+
+
+def boundary_sends(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, ...]:
+    """Seconds of one send across each pipeline boundary ``r`` (ranks ``r`` and ``(r + 1) % pp``; the
+    last is the interleaved schedule's wrap), as :func:`p2p_seconds` prices one, but over the link
+    that boundary uses: the network only where its two stages' ranks (``tp·sp·dp`` apart, hosts
+    holding consecutive ranks) sit on different hosts. pp 4 over 2 hosts of 2 crosses at its middle
+    boundary and at the wrap only."""
+    nbytes, hosts = activation_bytes(arch, layout) / layout.tp, cluster.devices_per_host
+    stride = layout.tp * layout.sp * layout.dp
+
+    def seconds(r: int) -> float:
+        crosses = r * stride // hosts != (r + 1) % layout.pp * stride // hosts
+        bandwidth, latency = cluster.link(min(stride, hosts) if crosses else 0, 2)
+        return nbytes / bandwidth + latency
+
+    return tuple(seconds(r) for r in range(layout.pp))
 
 
 def fan_out_bytes(arch: Architecture, layout: Layout) -> float:
@@ -716,15 +738,27 @@ def small_all_reduce_seconds(ranks: int, stride: int, cluster: Cluster) -> float
     return 2 * math.ceil(math.log2(ranks)) * cluster.link(streams, ranks)[1]
 
 
-def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float, core_share: float) -> float:
-    """Seconds of a step's micro-batches on one pipeline: ``m (t_f + t_b) / (1 - bubble)`` (the
-    schedule's idle share of the critical path). When ranks share cores (``core_share < 1``, times
-    measured at that share), an idle rank's core serves the ranks beside it, so the step is the
-    longer of the ranks' work at the shared rate, ``m (t_f + t_b)``, and the critical path at a whole
-    core, ``core_share · m (t_f + t_b) / (1 - bubble)``. (Measured: pp 2 × dp 2 on 2 cores took
-    1.10 s where the first form priced 1.34 s and the work is 1.01 s; docs/planner.md "Own runs".)"""
-    work = n_micro * (forward + backward)
-    return max(core_share * work / (1 - bubble), work)  # at core_share 1 the critical path: work / (1 - bubble) >= work
+def pipeline_seconds(n_micro: int, forward: float, backward: float, bubble: float) -> float:
+    """Seconds of a step's micro-batches on one pipeline of dedicated devices: ``m (t_f + t_b) /
+    (1 - bubble)``, the schedule's idle share of the critical path (ranks that share cores:
+    :func:`shared_pipeline_seconds`)."""
+    return n_micro * (forward + backward) / (1 - bubble)
+
+
+def shared_pipeline_seconds(arch: Architecture, layout: Layout, cluster: Cluster, forward: float,
+                            backward: float) -> float:  # fmt: skip
+    """Seconds of a step's micro-batches on one pipeline whose ranks share cores (``core_share < 1``):
+    the schedule replayed by :func:`~loomtrain.distributed.pipeline.schedule.shared_core_makespan`
+    with ``forward`` and ``backward`` (a micro-batch on a rank, at the shared rate) less their blocking
+    sends, each boundary's send (:func:`boundary_sends`) a delay that overlaps compute, as
+    loomtrain's ``isend``s with receives posted ahead run (``pipeline/p2p.py``), and a rank's idle
+    time lent to the ranks it shares cores with. Measured on 2 emulated hosts of 2 ranks over a
+    100 Mbit/s link (docs/planner.md "Emulated cluster"): the blocking form priced pp 4 +25 % and
+    pp 2 × dp 2 +44 %; this replay priced them −9 % and −14 % in the rerun."""
+    send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
+    schedule = build_schedule(layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages)
+    return shared_core_makespan(schedule, layout.pp, layout.virtual_stages, forward - send, backward - send,
+                                boundary_sends(arch, layout, cluster), cluster.core_share)  # fmt: skip
 
 
 def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
@@ -746,12 +780,16 @@ def step_time(arch: Architecture, layout: Layout, cluster: Cluster) -> StepTime:
         layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages, forward, accumulating
     )
     dp = dp_all_reduce_seconds(arch, layout, cluster, params)
+    if layout.pp > 1 and cluster.core_share < 1:
+        pipeline = shared_pipeline_seconds(arch, layout, cluster, forward, accumulating)
+    else:
+        pipeline = pipeline_seconds(layout.n_micro, forward, accumulating, bubble)
     return StepTime(
         forward=forward,
         backward=backward,
         tp_comm=tp_comm,
         p2p=p2p,
-        pipeline=pipeline_seconds(layout.n_micro, forward, accumulating, bubble, cluster.core_share),
+        pipeline=pipeline,
         bubble=bubble,
         dp_exposed=max(0.0, dp - backward) if cluster.comm_overlap and layout.overlap_grad_reduce else dp,
         optimizer=optimizer_seconds(arch, layout, cluster, params),

@@ -33,7 +33,8 @@ Schedules:
   ``F`` to its ``W``, every rank holds at most ``pp``: 1F1B's peak (its first rank's).
 
 :func:`check_schedule` proves a schedule complete, causal, deadlock-free and FIFO-consistent before
-anything runs; :func:`simulate` replays it with fixed compute times and zero communication time.
+anything runs; :func:`simulate` replays it with fixed compute times and zero communication time,
+:func:`shared_core_makespan` with send times and ranks that share cores.
 """
 
 from __future__ import annotations
@@ -189,6 +190,94 @@ def simulate(
     if waits:
         raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
     return timeline
+
+
+def shared_core_makespan(
+    schedule: list[list[Action]],
+    pp: int,
+    v: int = 1,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    send_times: tuple[float, ...] = (),
+    core_share: float = 1.0,
+    weight_time: float | None = None,
+) -> float:
+    """The time ``schedule`` takes when its messages take time and its ranks share cores: a
+    processor-sharing replay (Kleinrock 1967; Linux's CFS splits the cores among its runnable threads
+    this way).
+
+    The ranks run in :func:`simulate`'s order and dependencies, with its ``forward_time``,
+    ``backward_time`` and ``weight_time`` per rank, but measured while every rank computes, each at
+    ``core_share`` of a core (``world`` ranks on ``core_share · world`` cores; every replica of the
+    pipeline runs the same schedule at once). While only ``busy`` of the ``pp`` ranks compute, each
+    runs ``min(1 / core_share, pp / busy)`` times faster: an idle rank's core serves the others. A
+    message across boundary ``r`` (between ranks ``r`` and ``(r + 1) % pp``, either direction; the
+    last boundary is the interleaved schedule's wrap) reaches its receiver ``send_times[r]`` seconds
+    after its producer ends (missing entries: 0). Sends are non-blocking and take no compute: the
+    receiver waits for the arrival only. At ``core_share`` 1 and no send times this is
+    :func:`simulate`'s last end.
+
+    Returns:
+        Seconds from the first action's start to the last action's end.
+
+    Raises:
+        ValueError: ``core_share`` outside ``(0, 1]`` or a negative send time.
+        ScheduleError: the schedule deadlocks (which rank waits at which action for what).
+    """
+    if not 0 < core_share <= 1 or min(send_times, default=0.0) < 0:
+        raise ValueError(f"core_share={core_share} must be in (0, 1] and send_times={send_times} non-negative")
+    n_stages = pp * v
+    kinds = _kind_times(schedule, forward_time, backward_time, weight_time)
+    duration = {(kind, stage): base / v for kind, base in kinds for stage in range(n_stages)}
+    sends = tuple(send_times) + (0.0,) * (pp - len(send_times))
+    finished: dict[Action, float] = {}
+    position, left, now = [0] * len(schedule), [None] * len(schedule), 0.0
+    while any(p < len(actions) for p, actions in zip(position, schedule, strict=True)):
+        arrivals = [_arrival(actions[p], finished, pp, n_stages, sends) if p < len(actions) and rest is None else None
+                    for actions, p, rest in zip(schedule, position, left, strict=True)]  # fmt: skip
+        for rank, arrival in enumerate(arrivals):
+            if arrival is not None and arrival <= now:
+                action = schedule[rank][position[rank]]
+                left[rank] = duration[(action.kind, action.stage)]
+        busy = sum(rest is not None for rest in left)
+        speed = min(1 / core_share, pp / max(1, busy))
+        pending = [a for a in arrivals if a is not None and a > now]
+        now = _advance(schedule, position, left, finished, now, pending, speed, pp, n_stages)
+    return now
+
+
+def _arrival(action: Action, finished: dict[Action, float], pp: int, n_stages: int,
+             sends: tuple[float, ...]) -> float | None:  # fmt: skip
+    """When all of ``action``'s inputs are on its rank (a neighbour's message after its boundary's send
+    time); None while one is not produced yet."""
+    times = []
+    for dep in _inputs(action, n_stages):
+        if dep not in finished:
+            return None
+        remote = stage_rank(dep.stage, pp) != stage_rank(action.stage, pp)
+        times.append(finished[dep] + (sends[min(dep.stage, action.stage) % pp] if remote else 0.0))
+    return max(times, default=0.0)
+
+
+def _advance(schedule: list[list[Action]], position: list[int], left: list[float | None],
+             finished: dict[Action, float], now: float, arrivals: list[float], speed: float,
+             pp: int, n_stages: int) -> float:  # fmt: skip
+    """Run the busy ranks at ``speed`` up to the next event (an action's end or a message's arrival);
+    the new time."""
+    busy = [rank for rank, rest in enumerate(left) if rest is not None]
+    if not busy and not arrivals:
+        lanes = enumerate(zip(schedule, position, strict=True))
+        waits = [_waiting(rank, actions[p], finished, pp, n_stages) for rank, (actions, p) in lanes if p < len(actions)]
+        raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
+    step = min([left[rank] / speed for rank in busy] + [a - now for a in arrivals])
+    for rank in busy:
+        if left[rank] / speed <= step * (1 + 1e-9):  # ends at this event (to rounding)
+            finished[schedule[rank][position[rank]]] = now + step
+            position[rank] += 1
+            left[rank] = None
+        else:
+            left[rank] -= step * speed
+    return now + step
 
 
 def _kind_times(schedule: list[list[Action]], forward_time: float, backward_time: float,
