@@ -236,7 +236,7 @@ def test_simulate_with_stage_times_shows_the_cost_of_an_unbalanced_stage():
     assert bubble > theoretical_bubble("1f1b", 2, 4) + 0.05
 
 
-@pytest.mark.parametrize(("name", "pp", "m", "v"), _configs())
+@pytest.mark.parametrize(("name", "pp", "m", "v"), [*_configs(), ("zb_h1", 2, 4, 1), ("zb_h1", 4, 8, 1)])
 def test_shared_core_replay_on_dedicated_cores_without_send_times_is_simulate(name, pp, m, v):
     """Catches: the processor-sharing replay breaking a dependency or the order of a rank's actions
     (its last end would then differ from simulate's on every schedule, split and interleaved ones too)."""
@@ -251,10 +251,17 @@ def test_shared_cores_lend_an_idle_ranks_core_and_sends_delay_only_the_receiver(
     t_b 2 at half a core each, worked by hand: F0s0 alone (speed 2) ends 0.5; F1s0 and F0s1 share
     (speed 1) to 1.5; B0s1 alone to 2.5; B0s0 and F1s1 to 3.5; B0s0's last unit beside B1s1 to 4.5;
     B1s1 alone to 5; B1s0 alone to 6. With one micro-batch and 0.25 s sends: 0.5 + 0.25 + 0.5 + 1 +
-    0.25 + 1 = 3.5; the same send time on the wrap boundary (unused by 1F1B) costs nothing."""
-    assert shared_core_makespan(build_schedule("1f1b", 2, 2), 2, 1, 1.0, 2.0, core_share=0.5) == pytest.approx(6.0)
+    0.25 + 1 = 3.5; the same send time on the wrap boundary (unused by 1F1B) costs nothing. With 2
+    micro-batches and 0.25 s sends, 6.25 (worked the same way; sends that kept their sender busy
+    would give 6.75). The interleaved schedule's wrap (rank 3 to rank 0) has a send time of its own."""
+    two = build_schedule("1f1b", 2, 2)
+    assert shared_core_makespan(two, 2, 1, 1.0, 2.0, core_share=0.5) == pytest.approx(6.0)
+    assert shared_core_makespan(two, 2, 1, 1.0, 2.0, (0.25,), 0.5) == pytest.approx(6.25)
     one = build_schedule("1f1b", 2, 1)
     assert shared_core_makespan(one, 2, 1, 1.0, 2.0, (0.25,), 0.5) == pytest.approx(3.5)
     assert shared_core_makespan(one, 2, 1, 1.0, 2.0, (0.0, 0.25), 0.5) == pytest.approx(3.0)
+    interleaved = build_schedule("interleaved_1f1b", 4, 8, 2)
+    free = shared_core_makespan(interleaved, 4, 2, 1.0, 2.0, core_share=0.5)
+    assert shared_core_makespan(interleaved, 4, 2, 1.0, 2.0, (0.0, 0.0, 0.0, 0.5), 0.5) > free + 0.1
     with pytest.raises(ValueError, match="core_share"):
         shared_core_makespan(one, 2, 1, core_share=0.0)

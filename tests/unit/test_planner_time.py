@@ -285,13 +285,21 @@ def test_a_network_card_per_device_gives_every_crossing_the_whole_rate():
 def test_each_pipeline_boundary_sends_over_the_link_between_its_stages_hosts():
     """Catches: every stage send priced at the network's rate when only some boundaries leave a host:
     pp 4 over 2 hosts of 2 crosses at its middle boundary (ranks 1, 2) and the wrap (3, 0) only;
-    pp 2 × dp 2 (stages 2 ranks apart) crosses at both, its host's 2 ranks sending at once."""
+    pp 2 × dp 2 (stages 2 ranks apart) crosses at both, its host's 2 ranks sending at once; pp 2 on
+    one host of 2 crosses at neither (its wrap, rank 1 to rank 0, stays inside); dp 3 × pp 2 on
+    hosts of 4 crosses with 2 of the stage's 3 ranks (ranks 1 and 2 to 4 and 5), not judged by its
+    first rank alone (0 to 3, inside)."""
     intra = p2p_seconds(GPT_18B, _layout(dp=1, tp=1, pp=2), replace(SHARED_2X2, hosts=1, devices_per_host=4))
     inter = p2p_seconds(GPT_18B, _layout(dp=1, tp=1, pp=4), SHARED_2X2)
     assert boundary_sends(GPT_18B, _layout(dp=1, tp=1, pp=4), SHARED_2X2) == pytest.approx((intra, inter, intra, inter))
     shared = p2p_seconds(GPT_18B, _layout(dp=2, tp=1, pp=2), SHARED_2X2)
     assert boundary_sends(GPT_18B, _layout(dp=2, tp=1, pp=2), SHARED_2X2) == pytest.approx((shared, shared))
     assert shared > 1.9 * inter - LATENCY
+    assert boundary_sends(GPT_18B, _layout(dp=1, tp=1, pp=2), replace(SHARED_2X2, hosts=1)) == pytest.approx(
+        (intra, intra))  # fmt: skip
+    hosts_of_4 = replace(SHARED_2X2, devices_per_host=4)
+    straddling = boundary_sends(GPT_18B, _layout(dp=3, tp=1, pp=2), hosts_of_4)[0]
+    assert straddling == pytest.approx(shared)
 
 
 def test_ranks_that_share_cores_replay_their_pipeline_with_overlapped_sends():

@@ -309,7 +309,8 @@ class StepTime:
     Attributes:
         forward, backward: one micro-batch's forward and backward (recomputation included), with
             their GEMMs, elementwise kernels, tensor-parallel all-reduces, all-to-alls, ZeRO-3 gathers
-            beyond what compute hides, and point-to-point sends.
+            beyond what compute hides, and point-to-point sends as blocking ones (on shared cores
+            ``pipeline`` replays the sends overlapped instead).
         tp_comm: the tensor-parallel all-reduces and Ulysses all-to-alls inside ``forward + backward``.
         p2p: the point-to-point sends inside ``forward + backward``.
         pipeline: the micro-batches on one pipeline, :func:`pipeline_seconds` (on shared cores
@@ -454,15 +455,17 @@ def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
 def boundary_sends(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, ...]:
     """Seconds of one send across each pipeline boundary ``r`` (ranks ``r`` and ``(r + 1) % pp``; the
     last is the interleaved schedule's wrap), as :func:`p2p_seconds` prices one, but over the link
-    that boundary uses: the network only where its two stages' ranks (``tp·sp·dp`` apart, hosts
-    holding consecutive ranks) sit on different hosts. pp 4 over 2 hosts of 2 crosses at its middle
-    boundary and at the wrap only."""
+    that boundary uses: the network where the two stages' ranks (``tp·sp·dp`` apart, hosts holding
+    consecutive ranks) sit on different hosts, with as many streams as the stage has ranks crossing
+    (at most a host's devices). pp 4 over 2 hosts of 2 crosses at its middle boundary and at the
+    wrap only; dp 3 × pp 2 on hosts of 4 crosses with 2 of the stage's 3 ranks."""
     nbytes, hosts = activation_bytes(arch, layout) / layout.tp, cluster.devices_per_host
     stride = layout.tp * layout.sp * layout.dp
 
     def seconds(r: int) -> float:
-        crosses = r * stride // hosts != (r + 1) % layout.pp * stride // hosts
-        bandwidth, latency = cluster.link(min(stride, hosts) if crosses else 0, 2)
+        first, second = r * stride, (r + 1) % layout.pp * stride
+        crossing = sum((first + o) // hosts != (second + o) // hosts for o in range(stride))
+        bandwidth, latency = cluster.link(min(crossing, hosts), 2)
         return nbytes / bandwidth + latency
 
     return tuple(seconds(r) for r in range(layout.pp))
@@ -752,9 +755,11 @@ def shared_pipeline_seconds(arch: Architecture, layout: Layout, cluster: Cluster
     with ``forward`` and ``backward`` (a micro-batch on a rank, at the shared rate) less their blocking
     sends, each boundary's send (:func:`boundary_sends`) a delay that overlaps compute, as
     loomtrain's ``isend``s with receives posted ahead run (``pipeline/p2p.py``), and a rank's idle
-    time lent to the ranks it shares cores with. Measured on 2 emulated hosts of 2 ranks over a
-    100 Mbit/s link (docs/planner.md "Emulated cluster"): the blocking form priced pp 4 +25 % and
-    pp 2 × dp 2 +44 %; this replay priced them −9 % and −14 % in the rerun."""
+    time lent to the ranks it shares cores with: every rank's, as on one machine whose cores all
+    ranks share (an emulated cluster's hosts are namespaces of one machine; separate hosts would
+    each lend only their own cores, which this does not model). Measured on 2 emulated hosts of 2
+    ranks over a 100 Mbit/s link (docs/planner.md "Emulated cluster"): the blocking form priced
+    pp 4 +25 % and pp 2 × dp 2 +44 %; this replay priced them −9 % and −14 % in the rerun."""
     send = p2p_seconds(arch, layout, cluster) * layout.virtual_stages
     schedule = build_schedule(layout.schedule, layout.pp, layout.n_micro, layout.virtual_stages)
     return shared_core_makespan(schedule, layout.pp, layout.virtual_stages, forward - send, backward - send,

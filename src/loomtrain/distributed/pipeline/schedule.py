@@ -214,8 +214,8 @@ def shared_core_makespan(
     message across boundary ``r`` (between ranks ``r`` and ``(r + 1) % pp``, either direction; the
     last boundary is the interleaved schedule's wrap) reaches its receiver ``send_times[r]`` seconds
     after its producer ends (missing entries: 0). Sends are non-blocking and take no compute: the
-    receiver waits for the arrival only. At ``core_share`` 1 and no send times this is
-    :func:`simulate`'s last end.
+    receiver waits for the arrival only, and messages on one boundary may be in flight together (no
+    link queue). At ``core_share`` 1 and no send times this is :func:`simulate`'s last end.
 
     Returns:
         Seconds from the first action's start to the last action's end.
