@@ -58,6 +58,14 @@ CONFIGS = {
     "pp2_dp2": (4, {"parallel.pipeline_parallel_degree": 2, "training.micro_batch_size": 2}),
     "tp4": (4, {"parallel.tensor_parallel_degree": 4}),
 }
+# Layouts outside the benchmark's grid, run by name (``planner_own_runs.py sp2_mb2 sp2 sp2_mb8``): Ulysses
+# at world 2 over the micro-batch sizes, which the planner once priced 25 % fast (sp 2 at micro-batch 8).
+CHECKS = {
+    "sp2_mb2": (2, {"parallel.sequence_parallel_degree": 2, "training.micro_batch_size": 2}),
+    "sp2": (2, {"parallel.sequence_parallel_degree": 2}),
+    "sp2_mb8": (2, {"parallel.sequence_parallel_degree": 2, "training.micro_batch_size": 8}),
+}
+KNOWN = {**CONFIGS, **CHECKS}
 
 
 def base_overrides(steps: int = STEPS) -> dict:
@@ -105,7 +113,7 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
     """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
     run in alternating order), their MAPE and Kendall τ."""
     names, vocab, rows = names or list(CONFIGS), vocab_size(load_config(CONFIG)), []
-    layouts = {name: layout_of(*CONFIGS[name], vocab) for name in names}
+    layouts = {name: layout_of(*KNOWN[name], vocab) for name in names}
     measured: dict[str, list[float]] = {name: [] for name in names}
     predicted: dict[str, list[float]] = {name: [] for name in names}
     specs: dict[int, ClusterSpec] = {}
@@ -114,15 +122,15 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
             # Each round's spec measured just before its runs (the machine's speed drifts 10-20 % over
             # an afternoon, and calibrations an hour apart put the GEMM rate at 0.146 and 0.187 TFLOP/s
             # while the runs moved 1 %); cached, so --parallel.auto below plans on the last one.
-            specs = {w: quiet_spec(w, fallback=specs.get(w)) for w in sorted({CONFIGS[n][0] for n in names})}
+            specs = {w: quiet_spec(w, fallback=specs.get(w)) for w in sorted({KNOWN[n][0] for n in names})}
             clusters = {w: spec.to_cluster() for w, spec in specs.items()}
             for name in names if r % 2 == 0 else names[::-1]:
-                predicted[name].append(step_time(*layouts[name], clusters[CONFIGS[name][0]]).total)
-                measured[name].append(run_step_seconds(*CONFIGS[name], out_dir, name)[0])
+                predicted[name].append(step_time(*layouts[name], clusters[KNOWN[name][0]]).total)
+                measured[name].append(run_step_seconds(*KNOWN[name], out_dir, name)[0])
                 print(f"round {r} {name}: predicted {predicted[name][-1]:.3f} s, measured {measured[name][-1]:.3f} s",
                       flush=True)  # fmt: skip
     for name in names:
-        world = CONFIGS[name][0]
+        world = KNOWN[name][0]
         prediction, median = statistics.median(predicted[name]), statistics.median(measured[name])
         rows.append({"config": name, "world": world, "predicted_s": round(prediction, 4),
                      "predicted_each_round_s": [round(p, 4) for p in predicted[name]], "measured_s": round(median, 4),
@@ -181,6 +189,9 @@ def auto_runs(rows: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
+    unknown = [name for name in sys.argv[1:] if name not in KNOWN]
+    if unknown:
+        sys.exit(f"unknown configuration {', '.join(unknown)}: give names among {', '.join(KNOWN)}")
     result = own_runs(sys.argv[1:] or None)
     print(f"MAPE {100 * result['mape']:.1f} %, Kendall tau {result['kendall_tau']:.3f}")
     auto_runs(result["rows"])
