@@ -446,10 +446,14 @@ def p2p_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> float:
     ``tp·sp·dp``) send at once (:func:`_host_streams`)."""
     if layout.pp == 1:
         return 0.0
-    nbytes = activation_bytes(arch, layout) / layout.tp
-    stride = layout.tp * layout.sp * layout.dp
-    bandwidth, latency = cluster.link(_host_streams(stride, layout.pp, cluster), 2)
-    return nbytes / bandwidth + latency
+    return _send_seconds(arch, layout, cluster, _host_streams(layout.tp * layout.sp * layout.dp, layout.pp, cluster))
+
+
+def _send_seconds(arch: Architecture, layout: Layout, cluster: Cluster, streams: int) -> float:
+    """One rank's share (``1/tp``) of a micro-batch's activation sent to the next stage over the link
+    of ``streams`` (:meth:`Cluster.link`)."""
+    bandwidth, latency = cluster.link(streams, 2)
+    return activation_bytes(arch, layout) / layout.tp / bandwidth + latency
 
 
 def boundary_sends(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, ...]:
@@ -459,14 +463,12 @@ def boundary_sends(arch: Architecture, layout: Layout, cluster: Cluster) -> tupl
     consecutive ranks) sit on different hosts, with as many streams as the stage has ranks crossing
     (at most a host's devices). pp 4 over 2 hosts of 2 crosses at its middle boundary and at the
     wrap only; dp 3 × pp 2 on hosts of 4 crosses with 2 of the stage's 3 ranks."""
-    nbytes, hosts = activation_bytes(arch, layout) / layout.tp, cluster.devices_per_host
-    stride = layout.tp * layout.sp * layout.dp
+    stride, hosts = layout.tp * layout.sp * layout.dp, cluster.devices_per_host
 
     def seconds(r: int) -> float:
         first, second = r * stride, (r + 1) % layout.pp * stride
         crossing = sum((first + o) // hosts != (second + o) // hosts for o in range(stride))
-        bandwidth, latency = cluster.link(min(crossing, hosts), 2)
-        return nbytes / bandwidth + latency
+        return _send_seconds(arch, layout, cluster, min(crossing, hosts))
 
     return tuple(seconds(r) for r in range(layout.pp))
 

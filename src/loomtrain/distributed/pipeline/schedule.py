@@ -171,24 +171,20 @@ def simulate(
         ScheduleError: the schedule deadlocks (which rank waits at which action for what).
     """
     n_stages = pp * v
-    kinds = _kind_times(schedule, forward_time, backward_time, weight_time)
-    duration = {(kind, stage): base / v for kind, base in kinds for stage in range(n_stages)}
-    duration.update(stage_times or {})
+    duration = {**_durations(schedule, pp, v, forward_time, backward_time, weight_time), **(stage_times or {})}
+    no_sends = (0.0,) * pp
     finished: dict[Action, float] = {}
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
     progress = True
     while progress:
         # A list, not a generator: every rank gets its turn in each sweep.
         progress = any(
-            [_run_ready(*lane, finished, duration, n_stages) for lane in zip(schedule, timeline, strict=True)]
+            [
+                _run_ready(*lane, finished, duration, pp, n_stages, no_sends)
+                for lane in zip(schedule, timeline, strict=True)
+            ]
         )
-    waits = [
-        _waiting(rank, actions[len(timeline[rank])], finished, pp, n_stages)
-        for rank, actions in enumerate(schedule)
-        if len(timeline[rank]) < len(actions)
-    ]
-    if waits:
-        raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
+    _check_progress(schedule, [len(lane) for lane in timeline], finished, pp, n_stages)
     return timeline
 
 
@@ -227,8 +223,7 @@ def shared_core_makespan(
     if not 0 < core_share <= 1 or min(send_times, default=0.0) < 0:
         raise ValueError(f"core_share={core_share} must be in (0, 1] and send_times={send_times} non-negative")
     n_stages = pp * v
-    kinds = _kind_times(schedule, forward_time, backward_time, weight_time)
-    duration = {(kind, stage): base / v for kind, base in kinds for stage in range(n_stages)}
+    duration = _durations(schedule, pp, v, forward_time, backward_time, weight_time)
     sends = tuple(send_times) + (0.0,) * (pp - len(send_times))
     finished: dict[Action, float] = {}
     position, left, now = [0] * len(schedule), [None] * len(schedule), 0.0
@@ -266,9 +261,7 @@ def _advance(schedule: list[list[Action]], position: list[int], left: list[float
     the new time."""
     busy = [rank for rank, rest in enumerate(left) if rest is not None]
     if not busy and not arrivals:
-        lanes = enumerate(zip(schedule, position, strict=True))
-        waits = [_waiting(rank, actions[p], finished, pp, n_stages) for rank, (actions, p) in lanes if p < len(actions)]
-        raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
+        _check_progress(schedule, position, finished, pp, n_stages)
     step = min([left[rank] / speed for rank in busy] + [a - now for a in arrivals])
     for rank in busy:
         if left[rank] / speed <= step * (1 + 1e-9):  # ends at this event (to rounding)
@@ -278,6 +271,24 @@ def _advance(schedule: list[list[Action]], position: list[int], left: list[float
         else:
             left[rank] -= step * speed
     return now + step
+
+
+def _durations(schedule: list[list[Action]], pp: int, v: int, forward_time: float, backward_time: float,
+               weight_time: float | None) -> dict[tuple[str, int], float]:  # fmt: skip
+    """Each ``(kind, stage)``'s duration: its kind's time for the whole rank (:func:`_kind_times`)
+    over the rank's ``v`` chunks."""
+    kinds = _kind_times(schedule, forward_time, backward_time, weight_time)
+    return {(kind, stage): base / v for kind, base in kinds for stage in range(pp * v)}
+
+
+def _check_progress(schedule: list[list[Action]], done: list[int], finished: dict[Action, float], pp: int,
+                    n_stages: int) -> None:  # fmt: skip
+    """Raise :class:`ScheduleError` naming what each unfinished rank waits for, where any rank has
+    actions left (``done[rank]``: how many of its actions ran)."""
+    waits = [_waiting(rank, actions[n], finished, pp, n_stages)
+             for rank, (actions, n) in enumerate(zip(schedule, done, strict=True)) if n < len(actions)]  # fmt: skip
+    if waits:
+        raise ScheduleError("the schedule deadlocks: " + "; ".join(waits))
 
 
 def _kind_times(schedule: list[list[Action]], forward_time: float, backward_time: float,
@@ -472,16 +483,18 @@ def _run_ready(
     done: list[tuple[Action, float, float]],
     finished: dict[Action, float],
     duration: dict[tuple[str, int], float],
+    pp: int,
     n_stages: int,
+    sends: tuple[float, ...],
 ) -> bool:
     """Run one rank's actions in order until one lacks an input; True if any ran."""
     ran = False
     while len(done) < len(actions):
         action = actions[len(done)]
-        ready = [finished.get(dep) for dep in _inputs(action, n_stages)]
-        if None in ready:
+        arrival = _arrival(action, finished, pp, n_stages, sends)
+        if arrival is None:
             break
-        start = max([done[-1][2] if done else 0.0, *ready])
+        start = max(done[-1][2] if done else 0.0, arrival)
         finished[action] = start + duration[(action.kind, action.stage)]
         done.append((action, start, finished[action]))
         ran = True
