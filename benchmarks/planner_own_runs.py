@@ -24,14 +24,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 from loomtrain.config import load_config
 from loomtrain.planner.arch import from_model_config
 from loomtrain.planner.auto import vocab_size
-from loomtrain.planner.calibrate import cache_spec, calibrate
-from loomtrain.planner.cluster import ClusterSpec, parse_cluster_spec
+from loomtrain.planner.calibrate import measure_spec
+from loomtrain.planner.cluster import ClusterSpec
 from loomtrain.planner.memory import Layout, precision_for
 from loomtrain.planner.published import kendall_tau, separated_tau
 from loomtrain.planner.time import step_time
@@ -152,9 +151,9 @@ def quiet_spec(ranks: int, tries: int = 3, fallback: ClusterSpec | None = None) 
         SystemExit: ``tries`` calibrations in a row were disturbed and there is no ``fallback``.
     """
     for _ in range(tries):
-        text = calibrate(ranks)
-        if cache_spec(ranks, text):
-            return parse_cluster_spec(tomllib.loads(text), where=f"{ranks} ranks")
+        spec, quiet = measure_spec(ranks)
+        if quiet:
+            return spec
     if fallback is not None:
         print(f"{tries} calibrations of {ranks} ranks were disturbed: this round keeps the last one's spec", flush=True)
         return fallback

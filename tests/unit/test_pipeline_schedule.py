@@ -253,7 +253,8 @@ def test_shared_cores_lend_an_idle_ranks_core_and_sends_delay_only_the_receiver(
     B1s1 alone to 5; B1s0 alone to 6. With one micro-batch and 0.25 s sends: 0.5 + 0.25 + 0.5 + 1 +
     0.25 + 1 = 3.5; the same send time on the wrap boundary (unused by 1F1B) costs nothing. With 2
     micro-batches and 0.25 s sends, 6.25 (worked the same way; sends that kept their sender busy
-    would give 6.75). The interleaved schedule's wrap (rank 3 to rank 0) has a send time of its own."""
+    would give 6.75). The interleaved schedule's wrap (rank 3 to rank 0) has a send time of its own.
+    Also catches send times beyond the ``pp`` boundaries ignored without a word."""
     two = build_schedule("1f1b", 2, 2)
     assert shared_core_makespan(two, 2, 1, 1.0, 2.0, core_share=0.5) == pytest.approx(6.0)
     assert shared_core_makespan(two, 2, 1, 1.0, 2.0, (0.25,), 0.5) == pytest.approx(6.25)
@@ -265,3 +266,5 @@ def test_shared_cores_lend_an_idle_ranks_core_and_sends_delay_only_the_receiver(
     assert shared_core_makespan(interleaved, 4, 2, 1.0, 2.0, (0.0, 0.0, 0.0, 0.5), 0.5) > free + 0.1
     with pytest.raises(ValueError, match="core_share"):
         shared_core_makespan(one, 2, 1, core_share=0.0)
+    with pytest.raises(ValueError, match="at most one per boundary"):  # a third entry would be dropped silently
+        shared_core_makespan(one, 2, 1, 1.0, 2.0, (0.1, 0.1, 0.1), 0.5)

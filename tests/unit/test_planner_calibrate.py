@@ -26,6 +26,7 @@ from loomtrain.planner.calibrate import (
     cached_spec_path,
     disturbance,
     local_spec,
+    measure_spec,
     spec_toml,
 )
 from loomtrain.planner.cli import cmd_plan
@@ -212,11 +213,13 @@ def test_a_disturbed_calibration_is_marked_and_not_cached(tmp_path, monkeypatch)
     monkeypatch.setenv("LOOMTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate_module, "calibrate", lambda ranks: busy)  # a loaded machine, on demand
     assert local_spec(2).to_cluster().gpus == 2 and not cached_spec_path(2).exists()
+    assert measure_spec(2)[1] is False  # the own-run benchmark measures again on this answer
     assert cmd_plan(["--calibrate", "--ranks", "2"]) == 0 and not cached_spec_path(2).exists()
     assert cmd_plan(["--calibrate", "--ranks", "2", "--out", str(tmp_path / "kept.toml")]) == 0
     assert (tmp_path / "kept.toml").read_text() == busy
     monkeypatch.setattr(calibrate_module, "calibrate", lambda ranks: quiet)
     assert local_spec(2).to_cluster().gpus == 2 and cached_spec_path(2).read_text() == quiet
+    assert measure_spec(2)[1] is True
 
 
 def test_search_keeps_to_the_world_size_and_breaks_ties_by_less_recomputation_and_zero():

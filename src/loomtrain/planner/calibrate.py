@@ -551,6 +551,16 @@ def local_spec(ranks: int, refresh: bool = False) -> ClusterSpec:
     path = cached_spec_path(ranks)
     if not refresh and path.is_file() and time.time() - path.stat().st_mtime < MAX_AGE_DAYS * 86400:
         return load_cluster_spec(str(path))
+    return measure_spec(ranks)[0]
+
+
+def measure_spec(ranks: int) -> tuple[ClusterSpec, bool]:
+    """The spec of ``ranks`` processes on this machine measured now (:func:`calibrate`), and whether it
+    was cached (:func:`cache_spec`: not when the measurement was disturbed).
+
+    Raises:
+        as :func:`calibrate`.
+    """
     text = calibrate(ranks)
-    cache_spec(ranks, text)
-    return parse_cluster_spec(tomllib.loads(text), where=path.name)
+    cached = cache_spec(ranks, text)
+    return parse_cluster_spec(tomllib.loads(text), where=cached_spec_path(ranks).name), cached

@@ -217,11 +217,15 @@ def shared_core_makespan(
         Seconds from the first action's start to the last action's end.
 
     Raises:
-        ValueError: ``core_share`` outside ``(0, 1]`` or a negative send time.
+        ValueError: ``core_share`` outside ``(0, 1]``, a negative send time, or more send times than
+            the ``pp`` boundaries.
         ScheduleError: the schedule deadlocks (which rank waits at which action for what).
     """
     if not 0 < core_share <= 1 or min(send_times, default=0.0) < 0:
         raise ValueError(f"core_share={core_share} must be in (0, 1] and send_times={send_times} non-negative")
+    if len(send_times) > pp:
+        raise ValueError(f"send_times has {len(send_times)} entries for pp={pp} boundaries: pass at most one per "
+                         "boundary (the last is the interleaved schedule's wrap)")  # fmt: skip
     n_stages = pp * v
     duration = _durations(schedule, pp, v, forward_time, backward_time, weight_time)
     sends = tuple(send_times) + (0.0,) * (pp - len(send_times))
