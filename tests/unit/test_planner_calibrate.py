@@ -5,6 +5,7 @@ sizes; and two search fixes (world sizes tp·sp does not divide, ties)."""
 from __future__ import annotations
 
 import os
+import time
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -548,3 +549,36 @@ def test_ranks_sharing_cores_do_not_lose_the_pipeline_bubble(monkeypatch):
     assert shares == [1.0, 0.5]
     with pytest.raises(ClusterSpecError, match="core_share"):
         spec(core_share=0)
+
+
+def test_kernel_timings_are_priced_at_the_ranks_fair_share_of_a_core(monkeypatch):
+    """Catches: a rank's kernels timed by the wall clock while it holds more than its share of a core
+    (the ranks' windows do not line up: 4 ranks on 2 cores measured their last GEMM shapes at up to a
+    whole core each, 0.047 TFLOP/s where computing together they ran 0.033), the CPU time not divided
+    by the share, a rank that held less than its share timed on CPU time (2 ranks on 2 cores hold
+    about 85 % of a core, and their runs meet that loss too: world 2 would be priced 10-14 % fast),
+    or a compute curve that does not pass the share on."""
+
+    def half_busy() -> None:  # 10 ms of CPU, then 10 ms asleep: half a core
+        end = time.process_time() + 0.01
+        while time.process_time() < end:
+            pass
+        time.sleep(0.01)
+
+    def timed(share: float | None) -> float:
+        return calibrate_module._mean_seconds(half_busy, window_s=0.2, share=share)
+
+    assert timed(None) == pytest.approx(0.02, rel=0.3)
+    assert timed(0.25) == pytest.approx(0.04, rel=0.3)  # held twice its share: timed as if it had held a quarter
+    assert timed(0.5) == pytest.approx(0.02, rel=0.3) and timed(1.0) == pytest.approx(0.02, rel=0.3)  # wall
+    assert calibrate_module.fair_share(4, 2) == 0.5 and calibrate_module.fair_share(2, 4) == 1.0
+    shares: list[float | None] = []
+    monkeypatch.setattr(calibrate_module, "_mean_seconds", lambda run, share=None, **_: shares.append(share) or 1.0)
+    monkeypatch.setattr(calibrate_module, "GEMM_SIZES", (16,))
+    monkeypatch.setattr(calibrate_module, "EAGER_ROWS", (8,))
+    monkeypatch.setattr(calibrate_module, "ATTENTION_SEQ_LENS", (8,))
+    calibrate_module.measure_gemm_curve(pool=2**12, share=0.25)
+    calibrate_module.measure_memory_curve(pool=2**20, share=0.25)
+    calibrate_module.measure_attention_curve(share=0.25)
+    calibrate_module.measure_optimizer_curve(pool=2**12, share=0.25)
+    assert shares == [0.25] * 5

@@ -129,22 +129,33 @@ TIMEOUT_PER_CORE_S = 120.0
 MAX_AGE_DAYS = 7
 
 
-def _mean_seconds(run, window_s: float = WINDOW_S, calls: int | None = None, warmup_s: float = 0.0) -> float:
+def _mean_seconds(run, window_s: float = WINDOW_S, calls: int | None = None, warmup_s: float = 0.0,
+                  share: float | None = None) -> float:  # fmt: skip
     """Mean seconds per call of ``run`` called back to back for ``window_s`` (at least
     :data:`MIN_CALLS` times), or exactly ``calls`` times (a collective: every rank must make the same
     calls), after one call or, with ``warmup_s``, calls for that long. A mean over a window longer
     than the scheduler's time slice, not a median of single calls: a call short enough to fit in one
     slice runs at full speed even when more processes than cores share the machine, and the median
-    would report that speed."""
+    would report that speed.
+
+    With ``share`` (of a core), a rank that held more than ``share`` is timed as if it had held
+    exactly that: the seconds are the larger of the wall time and the calls' CPU time over
+    ``share``. The ranks' windows do not line up: one that measures while others build their
+    operands or have finished holds more than its share (4 ranks on 2 cores, 2026-12-04: up to a
+    whole core in the last GEMM shapes, whose rates came out 0.047 TFLOP/s where the ranks computing
+    together ran 0.033), and its wall time would price every rank's kernels that fast. A rank that
+    held less keeps its wall time: 2 ranks on 2 cores hold about 85 % of a core each, and their runs
+    meet the same loss (priced on CPU time alone, world 2's layouts came out 10-14 % fast)."""
     start = time.perf_counter()
     run()  # the first call at a shape allocates and picks kernels
     while time.perf_counter() - start < warmup_s:
         run()
-    done, start = 0, time.perf_counter()
+    done, start, cpu = 0, time.perf_counter(), time.process_time()
     while done < (calls or MIN_CALLS) or (calls is None and time.perf_counter() - start < window_s):
         run()
         done += 1
-    return (time.perf_counter() - start) / done
+    wall = time.perf_counter() - start
+    return (wall if share is None else max(wall, (time.process_time() - cpu) / share)) / done
 
 
 def _gemm_shapes() -> list[tuple[int, int, int]]:
@@ -175,50 +186,52 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(t.requires_grad)
 
 
-def measure_gemm_curve(pool: float = POOL_BYTES) -> list[tuple[float, float]]:
+def measure_gemm_curve(pool: float = POOL_BYTES, share: float | None = None) -> list[tuple[float, float]]:
     """``[(flops, flop_per_s), ...]`` of fp32 GEMMs of :func:`_gemm_shapes` on this process, sorted by FLOPs
     (shapes of equal FLOPs averaged), each call on the next operands of an :func:`_operand_pool` of
-    ``pool`` bytes."""
+    ``pool`` bytes, at ``share`` of a core (:func:`_mean_seconds`; None: as the process ran)."""
     rates: dict[float, list[float]] = {}
     for m, k, n in _gemm_shapes():
         make = lambda m=m, k=k, n=n: (torch.randn(m, k), torch.randn(k, n))  # noqa: E731
         operands = _operand_pool(make, 4.0 * (m * k + k * n), pool)
         flops = 2.0 * m * k * n
-        rates.setdefault(flops, []).append(flops / _mean_seconds(lambda o=operands: torch.mm(*o())))
+        rates.setdefault(flops, []).append(flops / _mean_seconds(lambda o=operands: torch.mm(*o()), share=share))
     return [(flops, statistics.fmean(r)) for flops, r in sorted(rates.items())]
 
 
-def measure_attention_curve() -> list[tuple[float, float]]:
+def measure_attention_curve(share: float | None = None) -> list[tuple[float, float]]:
     """``[(flops of one head, flop_per_s), ...]`` of causal ``scaled_dot_product_attention``,
     forward and backward, on :data:`ATTENTION_HEADS` fp32 sequences of each of
     :data:`ATTENTION_SEQ_LENS` tokens, FLOPs counted as the time model counts them
     (``planner/cost.py``'s ``attention_kernels``: ``4 s² d`` per head forward, twice that
-    backward, every score counted)."""
+    backward, every score counted), at ``share`` of a core (:func:`_mean_seconds`)."""
     points = []
     for s in ATTENTION_SEQ_LENS:
         q, k, v = (torch.randn(1, ATTENTION_HEADS, s, ATTENTION_HEAD_DIM, requires_grad=True) for _ in range(3))
         grad = torch.randn(1, ATTENTION_HEADS, s, ATTENTION_HEAD_DIM)
         flops = 3.0 * 4 * s * s * ATTENTION_HEAD_DIM
         seconds = _mean_seconds(
-            lambda q=q, k=k, v=v, g=grad: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+            lambda q=q, k=k, v=v, g=grad: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g),
+            share=share,
         )
         points.append((flops, ATTENTION_HEADS * flops / seconds))
     return points
 
 
-def measure_memory_curve(pool: float = POOL_BYTES) -> list[tuple[float, float]]:
+def measure_memory_curve(pool: float = POOL_BYTES, share: float | None = None) -> list[tuple[float, float]]:
     """``[(tensor bytes, bytes/s), ...]`` of :func:`measure_memory_bandwidth` for each of :data:`EAGER_ROWS`."""
-    return [(rows * EAGER_WIDTH * 4.0, measure_memory_bandwidth(rows, pool)) for rows in EAGER_ROWS]
+    return [(rows * EAGER_WIDTH * 4.0, measure_memory_bandwidth(rows, pool, share)) for rows in EAGER_ROWS]
 
 
-def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
+def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES, share: float | None = None) -> float:
     """Bytes/s of a Llama block's eager elementwise kernels with autograd, as ``models/llama.py``
     runs them on a ``rows``-token sequence of width :data:`EAGER_WIDTH` (heads of
     :data:`EAGER_HEAD_DIM`, SwiGLU width :data:`EAGER_FFN`), fp32, forward and backward, each
     output freshly allocated, each call on the next inputs of an :func:`_operand_pool` of ``pool``
-    bytes, timed after :data:`EAGER_WARMUP_S` of calls: two RMSNorms, the rotary embedding of the
-    queries and keys on their head-major views, the attention output's copy back to token-major,
-    two residual adds, SiLU and the gate product.
+    bytes, timed after :data:`EAGER_WARMUP_S` of calls, at ``share`` of a core
+    (:func:`_mean_seconds`): two RMSNorms, the rotary embedding of the queries and keys on their
+    head-major views, the attention output's copy back to token-major, two residual adds, SiLU and
+    the gate product.
 
     Bytes are the time model's count for this block (``planner/time.py``'s ``elementwise_bytes``,
     ``32h + 10·kv + 5f`` elements per token forward, backward twice that, and the gradient sums of
@@ -267,27 +280,28 @@ def measure_memory_bandwidth(rows: int, pool: float = POOL_BYTES) -> float:
     # The mix's own gradient sums (fan_out_bytes counts a block's): x and hidden feed three kernels
     # each (pow, the product, the add), q and k two (the rotation's halves and the product).
     sums = 3 * 6 * h * rows * 4.0
-    return depth * (3 * forward_bytes + sums) / _mean_seconds(step, warmup_s=EAGER_WARMUP_S)
+    return depth * (3 * forward_bytes + sums) / _mean_seconds(step, warmup_s=EAGER_WARMUP_S, share=share)
 
 
-def measure_optimizer_curve(pool: float = POOL_BYTES) -> list[tuple[float, float]]:
+def measure_optimizer_curve(pool: float = POOL_BYTES, share: float | None = None) -> list[tuple[float, float]]:
     """``[(tensor bytes, bytes/s), ...]``: :func:`measure_optimizer_rate` for fp32 parameter tensors
     of each of :data:`EAGER_ROWS` rows of :data:`EAGER_WIDTH`."""
-    return [(rows * EAGER_WIDTH * 4.0, measure_optimizer_rate(rows * EAGER_WIDTH, pool)) for rows in EAGER_ROWS]
+    return [(rows * EAGER_WIDTH * 4.0, measure_optimizer_rate(rows * EAGER_WIDTH, pool, share)) for rows in EAGER_ROWS]
 
 
-def measure_optimizer_rate(numel: int, pool: float = POOL_BYTES) -> float:
+def measure_optimizer_rate(numel: int, pool: float = POOL_BYTES, share: float | None = None) -> float:
     """Bytes/s of ``torch.optim.AdamW`` (weight decay on, as loomtrain's matrices have it) stepping
     parameters of ``numel`` fp32 elements each, as many as fill ``pool`` bytes with their
     gradients and moments (a step meets each from memory), bytes counted by
-    :func:`~loomtrain.planner.time.optimizer_bytes_per_param` (80 per parameter)."""
+    :func:`~loomtrain.planner.time.optimizer_bytes_per_param` (80 per parameter), at ``share`` of a
+    core (:func:`_mean_seconds`)."""
     count, values = max(1, math.ceil(pool / (4.0 * numel * 4))), torch.randn(numel)
     params = [torch.nn.Parameter(values.clone()) for _ in range(count)]
     for param in params:
         param.grad = values.clone()
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
     moved = count * numel * optimizer_bytes_per_param(FP32_ADAM, fused=False)
-    return moved / _mean_seconds(optimizer.step)
+    return moved / _mean_seconds(optimizer.step, share=share)
 
 
 def _groups(ranks: int, size: int) -> list[list[int]]:
@@ -360,11 +374,12 @@ def _rank_measurements(ranks: int) -> dict:
     """What one rank measures (module docstring); runs inside :func:`loomtrain.distributed.spawn.spawn`."""
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
-    pool = pool_bytes(ranks)
-    curve = measure_gemm_curve(pool)
+    pool, fair = pool_bytes(ranks), fair_share(ranks)
+    curve = measure_gemm_curve(pool, fair)
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     dist.barrier()
-    memory, attention, optimizer = measure_memory_curve(pool), measure_attention_curve(), measure_optimizer_curve(pool)
+    memory, attention = measure_memory_curve(pool, fair), measure_attention_curve(fair)
+    optimizer = measure_optimizer_curve(pool, fair)
     collectives, curves = measure_collectives(ranks)
     return {"curve": curve, "memory": memory, "attention": attention, "optimizer": optimizer,
             "collectives": collectives, "curves": curves, "cpu_share": share}  # fmt: skip
@@ -392,12 +407,18 @@ def combine(per_rank: list[dict]) -> dict:
             "cpu_share": min(r.get("cpu_share", 1.0) for r in per_rank)}  # fmt: skip
 
 
+def fair_share(ranks: int, cores: int | None = None) -> float:
+    """The share of a core each of ``ranks`` processes holds while all compute on ``cores`` (this
+    machine's usable CPUs where None): ``min(1, cores / ranks)``."""
+    return min(1.0, (cores or usable_cpus()) / ranks)
+
+
 def disturbance(cpu_share: float, ranks: int, cores: int) -> str:
     """Why a calibration was disturbed (empty: it was not): a rank held less than
     :data:`UNDISTURBED_SHARE` of its fair share of a core, ``min(1, cores / ranks)``, while it
     measured GEMMs (CPU time over wall time), so other processes were using the cores and every
     figure is too slow for the machine's own runs."""
-    fair = min(1.0, cores / ranks)
+    fair = fair_share(ranks, cores)
     if cpu_share >= UNDISTURBED_SHARE * fair:
         return ""
     return (f"a rank held {cpu_share:.0%} of a core while measuring, against a fair share of {fair:.0%}: other "
