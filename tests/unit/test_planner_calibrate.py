@@ -555,9 +555,9 @@ def test_kernel_timings_are_priced_at_the_ranks_fair_share_of_a_core(monkeypatch
     """Catches: a rank's kernels timed by the wall clock while it holds more than its share of a core
     (the ranks' windows do not line up: 4 ranks on 2 cores measured their last GEMM shapes at up to a
     whole core each, 0.047 TFLOP/s where computing together they ran 0.033), the CPU time not divided
-    by the share, a rank that held less than its share timed on CPU time (2 ranks on 2 cores hold
-    about 85 % of a core, and their runs meet that loss too: world 2 would be priced 10-14 % fast),
-    or a compute curve that does not pass the share on."""
+    by the share, a rank that held less than its share timed on its CPU time alone (the time it lost
+    to the rest of the machine, which a run loses too, would go unpriced), or a compute curve that
+    does not pass the share on."""
 
     def half_busy() -> None:  # 10 ms of CPU, then 10 ms asleep: half a core
         end = time.process_time() + 0.01

@@ -144,8 +144,8 @@ def _mean_seconds(run, window_s: float = WINDOW_S, calls: int | None = None, war
     operands or have finished holds more than its share (4 ranks on 2 cores, 2026-12-04: up to a
     whole core in the last GEMM shapes, whose rates came out 0.047 TFLOP/s where the ranks computing
     together ran 0.033), and its wall time would price every rank's kernels that fast. A rank that
-    held less keeps its wall time: 2 ranks on 2 cores hold about 85 % of a core each, and their runs
-    meet the same loss (priced on CPU time alone, world 2's layouts came out 10-14 % fast)."""
+    held less keeps its wall time: a run's ranks lose the same time to whatever else the cores run
+    (where that is other processes, :func:`disturbance` marks the spec)."""
     start = time.perf_counter()
     run()  # the first call at a shape allocates and picks kernels
     while time.perf_counter() - start < warmup_s:
