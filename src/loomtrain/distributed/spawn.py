@@ -6,7 +6,7 @@ so a hang fails the caller instead of freezing CI.
 
 The processes are forked from a fork server that has imported torch once
 (:data:`FORKSERVER_PRELOAD`), not started afresh: a fresh interpreter spends 4-5 s of CPU importing
-torch and its distributed packages, which on 2 cores made up a third of a distributed test's time
+torch and its distributed packages, which on 2 cores made up a third to a half of a distributed test's time
 (``tests/distributed/test_zero.py`` 46 s with fresh interpreters, 27 s forked). Each process takes
 the caller's environment as it is at the call, as a fresh interpreter would, not the server's.
 """
