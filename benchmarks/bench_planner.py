@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from planner_own_runs import auto_runs, own_runs, separated
+from planner_own_runs import own_runs, separated
 
 from loomtrain.planner.arch import gpt
 from loomtrain.planner.cli import resolve_model
@@ -85,12 +85,12 @@ def main() -> None:
     parser.add_argument("--skip-own-runs", action="store_true",
                         help="leave out the real runs on this machine (about 17 minutes on 2 cores)")  # fmt: skip
     args = parser.parse_args()
-    own = None if args.skip_own_runs else own_runs()
+    own = None if args.skip_own_runs else own_runs(auto=True)
     if own is not None:
-        own["auto"] = auto_runs(own["rows"])
         print(
             f"own runs: MAPE {100 * own['mape']:.1f} %, Kendall tau {own['kendall_tau']:.3f}, over the "
-            f"{own['separated_pairs']} pairs the rounds separate {own['kendall_tau_separated']:.3f}"
+            f"{own['separated_pairs']} pairs the rounds separate {own['kendall_tau_separated']:.3f}; "
+            f"the rounds against one another {own['kendall_tau_between_rounds']:.3f}"
         )
     rows = table_rows()
     print("| table | params (B) | t | p | GPUs | batch | b | published TFLOP/s | predicted | error |")

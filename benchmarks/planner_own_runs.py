@@ -9,9 +9,10 @@ steps and measures the median step time after :data:`WARMUP` steps (from the tim
 measurement the median over the rounds' runs. The model is a Llama of :data:`MODEL` (large enough that
 GEMMs, not Python overhead, dominate a step). Reported: each configuration's predicted and measured
 seconds and their error, the mean absolute percentage error, and Kendall's τ between the predicted
-and measured orders (Kendall 1938, τ-a: concordant minus discordant pairs over all pairs). Then
-``--parallel.auto`` at world 2 and 4: the planner's choice, run, against the fastest measured
-configuration of that world size.
+and measured orders (Kendall 1938, τ-a: concordant minus discordant pairs over all pairs), beside the
+τ between the rounds' own orders (how well the measurement agrees with itself). ``--parallel.auto``
+at world 2 and 4 runs in every round too, among the configurations, on that round's spec: the
+median of its runs against the fastest median of the grid at that world size.
 
     python benchmarks/planner_own_runs.py       # about 17 minutes on 2 cores
 """
@@ -32,7 +33,7 @@ from loomtrain.planner.auto import vocab_size
 from loomtrain.planner.calibrate import measure_spec
 from loomtrain.planner.cluster import ClusterSpec
 from loomtrain.planner.memory import Layout, precision_for
-from loomtrain.planner.published import kendall_tau, separated_tau
+from loomtrain.planner.published import between_rounds_tau, kendall_tau, separated_tau
 from loomtrain.planner.time import step_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +58,8 @@ CONFIGS = {
     "pp2_dp2": (4, {"parallel.pipeline_parallel_degree": 2, "training.micro_batch_size": 2}),
     "tp4": (4, {"parallel.tensor_parallel_degree": 4}),
 }
+# --parallel.auto at each world size of the grid: the planner picks the layout and micro-batch size.
+AUTO = {f"auto{w}": (w, {"parallel.auto": "true", "training.micro_batch_size": None}) for w in (2, 4)}
 # Layouts outside the benchmark's grid, run by name (``planner_own_runs.py sp2_mb2 sp2 sp2_mb8``): Ulysses
 # at world 2 over the micro-batch sizes, which the planner once priced 25 % fast (sp 2 at micro-batch 8).
 CHECKS = {
@@ -64,7 +67,7 @@ CHECKS = {
     "sp2": (2, {"parallel.sequence_parallel_degree": 2}),
     "sp2_mb8": (2, {"parallel.sequence_parallel_degree": 2, "training.micro_batch_size": 8}),
 }
-KNOWN = {**CONFIGS, **CHECKS}
+KNOWN = {**CONFIGS, **CHECKS, **AUTO}
 
 
 def base_overrides(steps: int = STEPS) -> dict:
@@ -108,26 +111,34 @@ def run_step_seconds(world: int, overrides: dict, out_dir: str, name: str, where
     return statistics.median(times[s] - times[s - 1] for s in range(warmup + 1, steps)), done.stdout
 
 
-def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
+def own_runs(names: list[str] | None = None, rounds: int = ROUNDS, auto: bool = False) -> dict:
     """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
-    run in alternating order), their MAPE and Kendall τ."""
-    names, vocab, rows = names or list(CONFIGS), vocab_size(load_config(CONFIG)), []
+    run in alternating order), their MAPE, Kendall τ and the rounds' τ among themselves; with
+    ``auto``, ``--parallel.auto`` at each world size run in every round as well (:func:`auto_rows`)."""
+    names, vocab, rows = [n for n in names or CONFIGS if n not in AUTO], vocab_size(load_config(CONFIG)), []
     layouts = {name: layout_of(*KNOWN[name], vocab) for name in names}
-    measured: dict[str, list[float]] = {name: [] for name in names}
+    order = names + ([f"auto{w}" for w in sorted({KNOWN[n][0] for n in names})] if auto else [])
+    measured: dict[str, list[float]] = {name: [] for name in order}
     predicted: dict[str, list[float]] = {name: [] for name in names}
+    chosen: dict[str, list[str]] = {name: [] for name in order if name in AUTO}
     specs: dict[int, ClusterSpec] = {}
     with tempfile.TemporaryDirectory() as out_dir:
         for r in range(rounds):
             # Each round's spec measured just before its runs (the machine's speed drifts 10-20 % over
             # an afternoon, and calibrations an hour apart put the GEMM rate at 0.146 and 0.187 TFLOP/s
-            # while the runs moved 1 %); cached, so --parallel.auto below plans on the last one.
+            # while the runs moved 1 %); cached, so --parallel.auto plans on this round's spec.
             specs = {w: quiet_spec(w, fallback=specs.get(w)) for w in sorted({KNOWN[n][0] for n in names})}
             clusters = {w: spec.to_cluster() for w, spec in specs.items()}
-            for name in names if r % 2 == 0 else names[::-1]:
+            for name in order if r % 2 == 0 else order[::-1]:
+                seconds, printed = run_step_seconds(*KNOWN[name], out_dir, name)
+                measured[name].append(seconds)
+                if name in AUTO:
+                    chosen[name].append(next(line.strip() for line in printed.splitlines()
+                                              if line.strip().startswith("chosen:")))  # fmt: skip
+                    print(f"round {r} {name}: measured {seconds:.3f} s ({chosen[name][-1]})", flush=True)
+                    continue
                 predicted[name].append(step_time(*layouts[name], clusters[KNOWN[name][0]]).total)
-                measured[name].append(run_step_seconds(*KNOWN[name], out_dir, name)[0])
-                print(f"round {r} {name}: predicted {predicted[name][-1]:.3f} s, measured {measured[name][-1]:.3f} s",
-                      flush=True)  # fmt: skip
+                print(f"round {r} {name}: predicted {predicted[name][-1]:.3f} s, measured {seconds:.3f} s", flush=True)
     for name in names:
         world = KNOWN[name][0]
         prediction, median = statistics.median(predicted[name]), statistics.median(measured[name])
@@ -139,7 +150,12 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS) -> dict:
               f"({100 * (prediction / median - 1):+.1f} %)", flush=True)  # fmt: skip
     mape = statistics.fmean(abs(r["error"]) for r in rows)
     tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    return {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3), **separated(rows)}
+    result = {"rows": rows, "mape": round(mape, 4), "kendall_tau": round(tau, 3), **separated(rows)}
+    if rounds > 1:
+        result["kendall_tau_between_rounds"] = round(between_rounds_tau([r["measured_each_round_s"] for r in rows]), 3)
+    if auto:
+        result["auto"] = auto_rows(rows, {name: (measured[name], chosen[name]) for name in chosen})
+    return result
 
 
 def quiet_spec(ranks: int, tries: int = 3, fallback: ClusterSpec | None = None) -> ClusterSpec:
@@ -168,22 +184,22 @@ def separated(rows: list[dict]) -> dict:
             "pairs": len(rows) * (len(rows) - 1) // 2}  # fmt: skip
 
 
-def auto_runs(rows: list[dict]) -> list[dict]:
-    """``--parallel.auto=true`` at each world size of ``rows``: the planner's choice (on this machine's
-    cached calibrated spec), run, against the fastest measured configuration of ``rows`` at that size."""
+def auto_rows(rows: list[dict], runs: dict[str, tuple[list[float], list[str]]]) -> list[dict]:
+    """``--parallel.auto`` against the grid: for each ``runs`` entry (``auto<world>``: its seconds and
+    printed choice in each round), the median of its rounds against the fastest median of the
+    configurations of ``rows`` at that world size, as a tokens/s ratio (the same tokens per step)."""
     out = []
-    with tempfile.TemporaryDirectory() as out_dir:
-        for world in sorted({r["world"] for r in rows}):
-            auto = {"parallel.auto": "true", "training.micro_batch_size": None}
-            measured, printed = run_step_seconds(world, auto, out_dir, f"auto{world}")
-            chosen = next(line.strip() for line in printed.splitlines() if line.strip().startswith("chosen:"))
-            best = min((r for r in rows if r["world"] == world), key=lambda r: r["measured_s"])
-            out.append({"world": world, "chosen": chosen, "measured_s": round(measured, 4),
-                        "best_grid_config": best["config"], "best_grid_measured_s": best["measured_s"],
-                        "tokens_per_s_over_best_grid": round(best["measured_s"] / measured, 3)})  # fmt: skip
-            ratio = best["measured_s"] / measured
-            print(f"auto world {world}: {measured:.3f} s ({chosen}); best of the grid {best['config']} "
-                  f"{best['measured_s']:.3f} s: tokens/s ratio {ratio:.3f}", flush=True)  # fmt: skip
+    for name, (seconds, chosen) in runs.items():
+        world, median = KNOWN[name][0], statistics.median(seconds)
+        best = min((r for r in rows if r["world"] == world), key=lambda r: r["measured_s"])
+        ratio = best["measured_s"] / median
+        out.append({"world": world, "chosen_each_round": chosen, "measured_s": round(median, 4),
+                    "measured_each_round_s": [round(s, 4) for s in seconds], "best_grid_config": best["config"],
+                    "best_grid_measured_s": best["measured_s"],
+                    "tokens_per_s_over_best_grid": round(ratio, 3)})  # fmt: skip
+        each = ", ".join(f"{s:.3f}" for s in seconds)
+        print(f"auto world {world}: {median:.3f} s (rounds {each}; {chosen[-1]}); best of the grid "
+              f"{best['config']} {best['measured_s']:.3f} s: tokens/s ratio {ratio:.3f}", flush=True)  # fmt: skip
     return out
 
 
@@ -191,6 +207,6 @@ if __name__ == "__main__":
     unknown = [name for name in sys.argv[1:] if name not in KNOWN]
     if unknown:
         sys.exit(f"unknown configuration {', '.join(unknown)}: give names among {', '.join(KNOWN)}")
-    result = own_runs(sys.argv[1:] or None)
-    print(f"MAPE {100 * result['mape']:.1f} %, Kendall tau {result['kendall_tau']:.3f}")
-    auto_runs(result["rows"])
+    result = own_runs(sys.argv[1:] or None, auto=not sys.argv[1:])
+    print(f"MAPE {100 * result['mape']:.1f} %, Kendall tau {result['kendall_tau']:.3f}, between the rounds "
+          f"{result.get('kendall_tau_between_rounds')}")  # fmt: skip

@@ -37,6 +37,7 @@ from loomtrain.planner.memory import MIXED_ADAM, RECOMPUTE, Layout, device_param
 from loomtrain.planner.published import (
     KORTHIKANTI_TABLE5,
     MEGATRON_RUNS,
+    between_rounds_tau,
     held_out_layout,
     kendall_tau,
     layout_of,
@@ -286,6 +287,18 @@ def test_separated_tau_counts_only_pairs_the_rounds_order():
     assert separated_tau([1.0, 1.5, 2.0], rounds) == (1.0, 2)
     with pytest.raises(ValueError, match="no pair"):
         separated_tau([1.0, 2.0], [[1.0, 2.0], [1.5, 2.5]])
+
+
+def test_between_rounds_tau_is_the_measurements_agreement_with_themselves():
+    """Catches: the rounds' agreement read per item instead of per round (``rounds[i]`` holds item
+    ``i``'s rounds), or one pair of rounds taken for the mean: rounds 0 and 1 order the three items
+    alike (τ 1), round 2 swaps the first two (τ 1/3 against each), so the mean is 5/9."""
+    rounds = [[1.0, 1.1, 2.0], [2.0, 2.1, 1.5], [3.0, 3.1, 3.2]]
+    assert between_rounds_tau(rounds) == pytest.approx(5 / 9)
+    with pytest.raises(ValueError, match="same number"):
+        between_rounds_tau([[1.0, 2.0], [1.0]])
+    with pytest.raises(ValueError, match="same number"):
+        between_rounds_tau([[1.0], [2.0]])
 
 
 def _curves(**seconds_by_op):

@@ -250,6 +250,23 @@ def separated_tau(predicted: list[float], rounds: list[list[float]]) -> tuple[fl
     return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(pairs), len(pairs)
 
 
+def between_rounds_tau(rounds: list[list[float]]) -> float:
+    """How well the measurement agrees with itself: the mean Kendall τ-a (:func:`kendall_tau`)
+    between every two rounds' orders of the items (``rounds[i]``: item ``i``'s value in each
+    round). Where the rounds order the items at τ 0.4 against one another, a prediction's τ against
+    their median is bounded by that noise, not by the prediction.
+
+    Raises:
+        ValueError: items with different numbers of rounds, fewer than 2 rounds or 2 items.
+    """
+    counts = {len(r) for r in rounds}
+    if len(counts) != 1 or counts.pop() < 2:
+        raise ValueError(f"between_rounds_tau needs the same number (>= 2) of rounds for every item "
+                         f"(got {[len(r) for r in rounds]})")  # fmt: skip
+    columns = list(zip(*rounds, strict=True))
+    return statistics.fmean(kendall_tau(list(a), list(b)) for a, b in itertools.combinations(columns, 2))
+
+
 def constant_predictor_errors(runs: tuple[PublishedRun, ...] = MEGATRON_RUNS) -> list[float]:
     """Relative errors of the best constant guess that knows the answers: the constant ``c`` that
     minimises the MAPE ``Σ |c - y|/y``, a weighted median of the published values ``y`` (weights
