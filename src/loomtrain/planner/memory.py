@@ -28,6 +28,7 @@ from loomtrain.planner.arch import Architecture
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+ZERO3_PREFETCH = ("block", "weight")
 FP32_BYTES = 4
 
 
@@ -103,13 +104,20 @@ class Layout:
             into them, the first into zeros (:func:`~loomtrain.planner.time.grad_accumulation_seconds`;
             loomtrain's ZeRO drops its gradients instead); False: the first micro-batch's gradients
             are written (how the published runs are priced).
+        zero3_prefetch: how far ahead ZeRO-3 gathers parameters while the ranks compute
+            (:func:`~loomtrain.planner.time.weight_prefetch_seconds`): ``block``, the next block's whole
+            parameters (loomtrain's ``zero_layout.py`` and FSDP2 prefetch a block), so a pass takes the
+            longer of its compute and its gathers; ``weight``, the next weight matrix only (DeepSpeed's
+            ZeRO-3: its prefetch bucket, ``stage3_prefetch_bucket_size``, 5·10⁷ elements by default
+            since 2021, holds less than one GPT-3 weight, and it prefetches only while no gather is in
+            flight), so each weight's compute hides only the next weight's gather.
         log_interval: loomtrain's trainer logs every ``log_interval`` steps (``training.log_interval``),
             each logged step a few small collectives (:func:`~loomtrain.planner.time.logging_seconds`);
             0: none priced (the published runs, whose logging is not known).
 
     Raises:
-        ValueError: a degree or size below 1, a negative ``log_interval``, an unknown ``zero_stage``, ``schedule`` or
-            ``recompute``, ``dp_replicate`` not dividing ``dp``, or ``virtual_stages > 1`` without
+        ValueError: a degree or size below 1, a negative ``log_interval``, an unknown ``zero_stage``, ``schedule``,
+            ``recompute`` or ``zero3_prefetch``, ``dp_replicate`` not dividing ``dp``, or ``virtual_stages > 1`` without
             ``interleaved_1f1b``.
     """
 
@@ -132,6 +140,7 @@ class Layout:
     zero_gather_copies: bool = True
     fused_optimizer: bool = False
     zeroed_grad_buffers: bool = True
+    zero3_prefetch: str = "block"
     log_interval: int = 0
 
     def __post_init__(self) -> None:
@@ -146,6 +155,9 @@ class Layout:
             raise ValueError(f"Layout.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Layout.schedule={self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.zero3_prefetch not in ZERO3_PREFETCH:
+            choices = ", ".join(ZERO3_PREFETCH)
+            raise ValueError(f"Layout.zero3_prefetch={self.zero3_prefetch!r}; choose one of {choices}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Layout.recompute={self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":

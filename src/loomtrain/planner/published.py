@@ -149,14 +149,15 @@ def megatron_layout(dp: int, tp: int, pp: int, n_micro: int, micro_batch: int = 
     """A layout as Narayanan et al. ran it: sequence 2,048, full recomputation, fp16 mixed-precision
     Adam, 1F1B (interleaved with ``virtual_stages > 1``), the data-parallel all-reduce under the
     backward with ``torch_ddp``, after it otherwise (module docstring); ZeRO without loomtrain's
-    parameter copies (``Layout.zero_gather_copies``: DeepSpeed's are not known), apex's fused Adam
+    parameter copies (``Layout.zero_gather_copies``: DeepSpeed's are not known) and with DeepSpeed's
+    prefetch of one weight ahead (``Layout.zero3_prefetch``), apex's fused Adam
     (``Layout.fused_optimizer``), the first micro-batch's gradients written (``zeroed_grad_buffers``
     False: how Megatron-LM 2021 held them is not modelled)."""
     schedule = "interleaved_1f1b" if virtual_stages > 1 else "1f1b"
     return Layout(seq_len=2048, micro_batch=micro_batch, dp=dp, tp=tp, pp=pp, n_micro=n_micro, recompute="full",
                   precision=MIXED_ADAM, zero_stage=zero_stage, schedule=schedule, virtual_stages=virtual_stages,
                   overlap_grad_reduce=torch_ddp, zero_gather_copies=False, fused_optimizer=True,
-                  zeroed_grad_buffers=False)  # fmt: skip
+                  zeroed_grad_buffers=False, zero3_prefetch="weight")  # fmt: skip
 
 
 def layout_of(run: PublishedRun, micro_batch: int | None = None) -> Layout:

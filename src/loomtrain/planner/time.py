@@ -59,7 +59,6 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import operator
 from dataclasses import dataclass, replace
 
 from loomtrain.distributed.pipeline.schedule import build_schedule, shared_core_makespan, theoretical_bubble
@@ -576,12 +575,42 @@ def zero3_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple
     return gather, gathers_in_backward * gather + scatter
 
 
+def weight_prefetch_seconds(arch: Architecture, layout: Layout, cluster: Cluster, compute: float, gathers: float,
+                            backward: bool) -> float:  # fmt: skip
+    """Seconds of one pass (forward, or backward when ``backward``) over the stage's blocks under
+    ZeRO-3 that gathers one weight matrix ahead (``Layout.zero3_prefetch == "weight"``; under
+    ``"block"`` a pass takes ``max(compute, gathers)``): ``compute`` and ``gathers`` are the pass's
+    block compute and ZeRO-3 collectives in seconds (:func:`zero3_seconds`). In launch order
+    (reversed in backward) weight ``i``'s slot takes
+    ``max(c_i, g_{i+1})``, where ``c_i`` is its share of the block's compute (in proportion to its
+    GEMM's time) and ``g_i`` its share of the block's collectives (in proportion to its elements),
+    plus the first gather, which nothing hides. Where compute and gathers are of one length, the
+    weights' unequal sizes (GPT: 3h², h², 4h², 4h²) make each slot wait on the larger of two
+    neighbours: 15/12 of either for GPT-3 (the published ZeRO-3 rows at 4 sequences per GPU).
+    The weight granularity prices DeepSpeed's prefetch rule (``Layout.zero3_prefetch``), not a
+    figure fitted to the rows."""
+    if gathers == 0:
+        return compute
+    blocks = stage_blocks(arch, layout)
+    gemms = layer_gemms(arch, layout.seq_len // layout.sp, layout.micro_batch, layout.tp)
+    seconds = [g.seconds(cluster.compute_device, True) for g in gemms]
+    elements = [g.n * g.k for g in gemms]
+    c = [compute / blocks * t / sum(seconds) for t in seconds]
+    g = [gathers / blocks * e / sum(elements) for e in elements]
+    if backward:
+        c, g = c[::-1], g[::-1]
+    slots = sum(max(c[i], g[(i + 1) % len(c)]) for i in range(len(c)))
+    # the first weight's gather is exposed; the pass's last weight has no next gather to wait on
+    return g[0] + blocks * slots - max(c[-1], g[0]) + c[-1]
+
+
 def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) -> tuple[float, float, float, float]:
     """``(forward, backward, tp_comm, p2p)`` of one micro-batch on the last pipeline stage, the slowest:
     ``layers_per_chunk · virtual_stages`` blocks, the head and its tensor-parallel collectives
-    (:func:`vocab_parallel_seconds`), one send each way; under ZeRO-3 each pass
-    takes the longer of its compute and its overlapped gathers (:func:`zero3_seconds`), or their
-    sum where ``cluster.comm_overlap`` is false.
+    (:func:`vocab_parallel_seconds`), one send each way; under ZeRO-3 each pass's blocks
+    overlap their gathers (:func:`zero3_seconds`): the longer of the two under ``Layout.zero3_prefetch
+    == "block"``, :func:`weight_prefetch_seconds` (the head and loss not overlapped) under
+    ``"weight"``; their sum where ``cluster.comm_overlap`` is false.
 
     Raises:
         ValueError: as :func:`layer_seconds` and :func:`~loomtrain.planner.memory.layers_per_chunk`.
@@ -593,9 +622,15 @@ def micro_batch_seconds(arch: Architecture, layout: Layout, cluster: Cluster) ->
     gather_f, gather_b = zero3_seconds(arch, layout, cluster)
     vocab_f, vocab_b = vocab_parallel_seconds(arch, layout, cluster)
     loss_f, loss_b = loss_seconds(arch, layout, cluster)
-    hide = max if cluster.comm_overlap else operator.add  # unhidden: one after the other
-    forward = hide(layers * layer_f + head.forward + loss_f + vocab_f, gather_f) + send
-    backward = hide(layers * layer_b + head.backward + loss_b + vocab_b, gather_b) + send
+    rest_f, rest_b = head.forward + loss_f + vocab_f, head.backward + loss_b + vocab_b
+    if not cluster.comm_overlap:  # unhidden: one after the other
+        forward, backward = layers * layer_f + rest_f + gather_f, layers * layer_b + rest_b + gather_b
+    elif layout.zero3_prefetch == "weight":
+        forward = weight_prefetch_seconds(arch, layout, cluster, layers * layer_f, gather_f, False) + rest_f
+        backward = weight_prefetch_seconds(arch, layout, cluster, layers * layer_b, gather_b, True) + rest_b
+    else:
+        forward, backward = max(layers * layer_f + rest_f, gather_f), max(layers * layer_b + rest_b, gather_b)
+    forward, backward = forward + send, backward + send
     return forward, backward, layers * layer_tp + vocab_f + vocab_b, 2 * send
 
 
