@@ -255,7 +255,8 @@ def between_rounds_tau(rounds: list[list[float]]) -> float:
     """How well the measurement agrees with itself: the mean Kendall τ-a (:func:`kendall_tau`)
     between every two rounds' orders of the items (``rounds[i]``: item ``i``'s value in each
     round). Where the rounds order the items at τ 0.4 against one another, a prediction's τ against
-    their median is bounded by that noise, not by the prediction.
+    their median measures that noise as much as the prediction (the median of the rounds is steadier
+    than one round, so this is a guide, not a ceiling).
 
     Raises:
         ValueError: items with different numbers of rounds, fewer than 2 rounds or 2 items.
