@@ -190,6 +190,34 @@ def test_killed_process_group_is_swept(busy, throttles):
     assert leftovers(parent.parent) == []
 
 
+def test_sweep_survives_a_group_another_rank_removes_while_it_reads(busy, throttles, monkeypatch):
+    """Catches: ranks starting at once, each sweeping stale groups, where one rank removes a stale
+    group after another has opened its ``cgroup.procs`` and before it reads it: the read fails with
+    ENODEV, and the rank died at start (make test, 2026-12-05, the pp 2 × dp 2 balance test). The
+    interleaving is made here: the read opens the file, removes the group, then reads."""
+    live = busy()
+    t_live = throttles(live.pid, 0.5, min(os.sched_getaffinity(live.pid)))
+    stale = t_live.path.parent / f"loomtrain-{PREFIX}race@{os.getpid()}.1"  # start time 1: not this process
+    stale.mkdir()
+    read_text = Path.read_text
+
+    def read_after_removal(path: Path, *args, **kwargs) -> str:
+        if path != stale / "cgroup.procs":
+            return read_text(path, *args, **kwargs)
+        with path.open() as f:
+            stale.rmdir()
+            return f.read()
+
+    monkeypatch.setattr(Path, "read_text", read_after_removal)
+    try:
+        assert sweep_stale() == []
+    finally:
+        monkeypatch.undo()
+        if stale.is_dir():
+            stale.rmdir()
+    assert our_groups(t_live.path.parent) == [t_live.path.name]
+
+
 def test_self_throttled_rank_cleans_up_at_exit(throttling):
     """Catches: a rank that throttles itself and exits without close leaving its group (no
     atexit hook), and a forked child's exit running that hook, which would un-throttle the rank."""

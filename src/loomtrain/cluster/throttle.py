@@ -261,11 +261,15 @@ def _alive(pid: int, start: int) -> bool:
 
 
 def _procs(group: Path) -> list[int]:
-    """The pids in ``group`` (its ``cgroup.procs``); none if the group is gone."""
+    """The pids in ``group`` (its ``cgroup.procs``); none if the group is gone, also when another
+    rank's sweep removes it between the open and the read (the kernel answers ENODEV then: four
+    ranks starting at once hit it, 2026-12-05)."""
     try:
         return [int(line) for line in (group / "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
-        return []
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENODEV):
+            return []
+        raise
 
 
 def _rmdir(path: Path) -> bool:
@@ -290,10 +294,12 @@ def sweep_stale() -> list[str]:
     if throttle_requirements() is not None:
         return []
     parent = _require_controller().parent
-    if not parent.is_dir():
+    try:
+        groups = sorted(p for p in parent.iterdir() if p.is_dir())
+    except FileNotFoundError:  # no parent, or another rank's sweep removed it just now
         return []
     removed = []
-    for group in sorted(p for p in parent.iterdir() if p.is_dir()):
+    for group in groups:
         m = _GROUP.fullmatch(group.name)
         if m is None or _procs(group) or _alive(int(m["pid"]), int(m["start"])):
             continue  # not ours, or still in use (a group being set up is empty, but its process lives)
