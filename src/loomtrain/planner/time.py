@@ -586,7 +586,10 @@ def weight_prefetch_seconds(arch: Architecture, layout: Layout, cluster: Cluster
     GEMM's time) and ``g_i`` its share of the block's collectives (in proportion to its elements),
     plus the first gather, which nothing hides. Where compute and gathers are of one length, the
     weights' unequal sizes (GPT: 3h², h², 4h², 4h²) make each slot wait on the larger of two
-    neighbours: 15/12 of either for GPT-3 (the published ZeRO-3 rows at 4 sequences per GPU).
+    neighbours: 15/12 of either for GPT-3 (the forward of the published ZeRO-3 rows at 4 sequences
+    per GPU). The backward is simplified to four reversed slots carrying the block's backward
+    compute (with a recomputed forward, if any), its gathers and its reduce-scatter; DeepSpeed
+    runs a recomputed forward in launch order first and reduce-scatters in its own buckets.
     The weight granularity prices DeepSpeed's prefetch rule (``Layout.zero3_prefetch``), not a
     figure fitted to the rows."""
     if gathers == 0:
