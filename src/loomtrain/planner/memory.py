@@ -108,9 +108,10 @@ class Layout:
             (:func:`~loomtrain.planner.time.weight_prefetch_seconds`): ``block``, the next block's whole
             parameters (loomtrain's ``distributed/zero.py`` and FSDP2 prefetch a block), so a pass takes
             the longer of its compute and its gathers; ``weight``, the next weight matrix only (DeepSpeed
-            v0.3.13's ZeRO-3, the published runs': its prefetch bucket, ``stage3_prefetch_bucket_size``,
-            5·10⁷ elements by default, holds less than one GPT-3 weight, and it prefetches only while no
-            gather is in flight), so each weight's compute hides only the next weight's gather.
+            v0.3.13's ZeRO-3, the release before the paper's arXiv v1: its prefetch bucket,
+            ``stage3_prefetch_bucket_size``, 5·10⁷ elements by default, holds less than one GPT-3
+            weight, and it prefetches only while no gather is in flight), so each weight's compute
+            hides only the next weight's gather.
         log_interval: loomtrain's trainer logs every ``log_interval`` steps (``training.log_interval``),
             each logged step a few small collectives (:func:`~loomtrain.planner.time.logging_seconds`);
             0: none priced (the published runs, whose logging is not known).
