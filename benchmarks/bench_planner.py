@@ -83,7 +83,7 @@ def main() -> None:
     """Run everything, write the JSON, print the tables and the 22-row MAPE last."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-own-runs", action="store_true",
-                        help="leave out the real runs on this machine (about 17 minutes on 2 cores)")  # fmt: skip
+                        help="leave out the real runs on this machine (28 minutes on a 2-core EPYC)")  # fmt: skip
     args = parser.parse_args()
     own = None if args.skip_own_runs else own_runs(auto=True)
     if own is not None:

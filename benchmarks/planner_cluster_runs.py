@@ -34,7 +34,7 @@ import tomllib
 from dataclasses import replace
 from pathlib import Path
 
-from planner_own_runs import CONFIG, base_overrides, layout_of, run_step_seconds
+from planner_own_runs import CONFIG, auto_line, base_overrides, layout_of, run_step_seconds
 
 from loomtrain.cluster.emulated import ClusterSpec, emulated_cluster, missing_requirements, rate_bytes_per_s
 from loomtrain.config import load_config, toml_value
@@ -121,11 +121,6 @@ def save_spec(local_text: str, run_dir: Path) -> Cluster:
     disturbed = [local_text.splitlines()[0][2:]] if local_text.startswith(DISTURBED_MARK) else []
     write_spec(SPEC, toml_text(spec, [f"Written by benchmarks/planner_cluster_runs.py on {when}.", *disturbed]))
     return load_cluster_spec(str(SPEC)).to_cluster()
-
-
-def auto_line(printed: str, label: str) -> str:
-    """The launcher's ``chosen:`` or ``runner-up:`` line of ``--parallel.auto``."""
-    return next(line.strip() for line in printed.splitlines() if line.strip().startswith(f"{label}:"))
 
 
 def predicted(line: str) -> float:

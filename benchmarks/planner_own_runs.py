@@ -14,7 +14,7 @@ and measured orders (Kendall 1938, τ-a: concordant minus discordant pairs over 
 at world 2 and 4 runs in every round too, among the configurations, on that round's spec: the
 median of its runs against the fastest median of the grid at that world size.
 
-    python benchmarks/planner_own_runs.py       # about 17 minutes on 2 cores
+    python benchmarks/planner_own_runs.py       # 28 minutes on the 2-core EPYC machine (2026-12-05)
 """
 
 from __future__ import annotations
@@ -111,13 +111,19 @@ def run_step_seconds(world: int, overrides: dict, out_dir: str, name: str, where
     return statistics.median(times[s] - times[s - 1] for s in range(warmup + 1, steps)), done.stdout
 
 
+def auto_line(printed: str, label: str) -> str:
+    """The launcher's ``chosen:`` or ``runner-up:`` line of ``--parallel.auto``."""
+    return next(line.strip() for line in printed.splitlines() if line.strip().startswith(f"{label}:"))
+
+
 def own_runs(names: list[str] | None = None, rounds: int = ROUNDS, auto: bool = False) -> dict:
     """Predicted and measured step seconds of each configuration (the median over ``rounds`` rounds,
     run in alternating order), their MAPE, Kendall τ and the rounds' τ among themselves; with
     ``auto``, ``--parallel.auto`` at each world size run in every round as well (:func:`auto_rows`)."""
     names, vocab, rows = [n for n in names or CONFIGS if n not in AUTO], vocab_size(load_config(CONFIG)), []
     layouts = {name: layout_of(*KNOWN[name], vocab) for name in names}
-    order = names + ([f"auto{w}" for w in sorted({KNOWN[n][0] for n in names})] if auto else [])
+    worlds = sorted({KNOWN[n][0] for n in names})
+    order = names + ([f"auto{w}" for w in worlds] if auto else [])
     measured: dict[str, list[float]] = {name: [] for name in order}
     predicted: dict[str, list[float]] = {name: [] for name in names}
     chosen: dict[str, list[str]] = {name: [] for name in order if name in AUTO}
@@ -127,14 +133,13 @@ def own_runs(names: list[str] | None = None, rounds: int = ROUNDS, auto: bool = 
             # Each round's spec measured just before its runs (the machine's speed drifts 10-20 % over
             # an afternoon, and calibrations an hour apart put the GEMM rate at 0.146 and 0.187 TFLOP/s
             # while the runs moved 1 %); cached, so --parallel.auto plans on this round's spec.
-            specs = {w: quiet_spec(w, fallback=specs.get(w)) for w in sorted({KNOWN[n][0] for n in names})}
+            specs = {w: quiet_spec(w, fallback=specs.get(w)) for w in worlds}
             clusters = {w: spec.to_cluster() for w, spec in specs.items()}
             for name in order if r % 2 == 0 else order[::-1]:
                 seconds, printed = run_step_seconds(*KNOWN[name], out_dir, name)
                 measured[name].append(seconds)
                 if name in AUTO:
-                    chosen[name].append(next(line.strip() for line in printed.splitlines()
-                                              if line.strip().startswith("chosen:")))  # fmt: skip
+                    chosen[name].append(auto_line(printed, "chosen"))
                     print(f"round {r} {name}: measured {seconds:.3f} s ({chosen[name][-1]})", flush=True)
                     continue
                 predicted[name].append(step_time(*layouts[name], clusters[KNOWN[name][0]]).total)
